@@ -1,0 +1,154 @@
+"""The public entry points: ``moe_front`` (the whole front of one decode step) and ``route``."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moe_front_jax import backends
+from moe_front_jax.config import FrontConfig
+from moe_front_jax.params import FrontParams
+
+
+class FrontOutput(NamedTuple):
+    """What one call of ``moe_front`` returns (a pytree).
+
+    Attributes:
+      ids: ``[B, K]`` int32 chosen experts, rank 0 the largest key.
+      weights: ``[B, K]`` bfloat16 routing weights.
+      latent: ``[B, L]`` bfloat16, every rank's latent shard in rank order.
+      logits: ``[B, E]`` float32 router logits of every expert.
+      shared: ``[B, H]`` bfloat16 shared-expert output (``[B, H / tp]`` with
+        ``shared_reduce="psum_scatter"``), or None when the params have no shared expert.
+      plan: ``(values float8_e4m3fn [B, L], scales float8_e8m0fnu [B, L / 32])`` with ``plan=True``,
+        else None.
+      status: int32 scalar: 0, or a mailbox timeout code.
+    """
+
+    ids: jax.Array
+    weights: jax.Array
+    latent: jax.Array
+    logits: jax.Array
+    shared: jax.Array | None
+    plan: tuple[jax.Array, jax.Array] | None
+    status: jax.Array
+
+
+def check_rows(x, cfg: FrontConfig) -> None:
+    """``x`` must be a non-empty ``[B, H]`` bfloat16 array (checked at trace time)."""
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is None or len(shape) != 2 or shape[1] != cfg.hidden:
+        raise ValueError(f"x must have shape [B, hidden={cfg.hidden}], got {shape}")
+    if shape[0] == 0:
+        raise ValueError(f"x is an empty batch (shape {tuple(shape)}); B must be >= 1")
+    if dtype != jnp.bfloat16:
+        raise ValueError(f"x must be bfloat16, got {dtype}")
+
+
+def check_params(params) -> None:
+    """``params`` must be ``FrontParams`` whose arrays match its config (checked at trace time)."""
+    if not isinstance(params, FrontParams):
+        raise ValueError(
+            f"params must be FrontParams (from pack_params or shard_params), got {type(params).__name__}"
+        )
+    cfg = params.cfg
+    expected = {
+        "packed": ((params.split + cfg.latent_per_rank, cfg.hidden), jnp.bfloat16),
+        "bias": ((cfg.experts,), jnp.float32),
+    }
+    if params.gate_up is not None:
+        expected["gate_up"] = ((2 * cfg.shared_per_rank, cfg.hidden), jnp.bfloat16)
+        expected["down"] = ((cfg.hidden, cfg.shared_per_rank), jnp.bfloat16)
+    for name, (shape, dtype) in expected.items():
+        array = getattr(params, name)
+        if array is None or tuple(array.shape) != shape or array.dtype != dtype:
+            got = "None" if array is None else f"{tuple(array.shape)} {array.dtype}"
+            raise ValueError(
+                f"params.{name} is {got}, expected {shape} {jnp.dtype(dtype)} for tp={cfg.tp}"
+            )
+
+
+def moe_front(
+    x: jax.Array,
+    params: FrontParams,
+    *,
+    plan: bool = False,
+    backend: str = "auto",
+) -> FrontOutput:
+    """The MoE front of one decode step: front GEMM, exact top-k routing, latent, shared expert.
+
+    Args:
+      x: ``[B, H]`` bfloat16 decode rows, ``B >= 1``.
+      params: ``FrontParams`` from ``pack_params``.
+      plan: also return the MXFP8 copy of the latent (``FrontOutput.plan``).
+      backend: ``"auto"`` (Pallas kernels on a GPU, the XLA reference elsewhere), ``"xla"``,
+        ``"pallas"`` or ``"interpret"`` (the Pallas kernels in interpret mode).
+
+    Returns:
+      ``FrontOutput(ids, weights, latent, logits, shared, plan, status)``.
+
+    Raises:
+      ValueError: at trace time, for a wrong shape or dtype of ``x`` or ``params``, an empty batch or
+        an unknown backend.
+
+    Example::
+
+      cfg = mf.KIMI_K3
+      params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg), cfg)
+      out = jax.jit(mf.moe_front)(x, params)      # x: [B, 7168] bfloat16
+      out.ids, out.weights                         # [B, 16] int32, [B, 16] bfloat16
+    """
+    backends.check_backend(backend)
+    check_params(params)
+    cfg = params.cfg
+    check_rows(x, cfg)
+    if cfg.tp != 1:
+        raise ValueError(
+            f"params are one rank's shard of tp={cfg.tp}; call moe_front inside jax.shard_map with "
+            "axis_name=..., or pass the output of shard_params"
+        )
+    gemm = backends.stage("front_gemm", backend)
+    logits, latent = gemm(x, params.packed, params.split, cfg.experts_per_rank)
+    ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
+    shared = None
+    if params.has_shared:
+        shared = backends.stage("shared_expert", backend)(
+            x, params.gate_up, params.down, cfg, jnp.bfloat16
+        )
+    planned = backends.stage("plan", backend)(latent, cfg.plan_block) if plan else None
+    return FrontOutput(ids, weights, latent, logits, shared, planned, jnp.zeros((), jnp.int32))
+
+
+def route(
+    logits: jax.Array, bias: jax.Array, cfg: FrontConfig, *, backend: str = "auto"
+) -> tuple[jax.Array, jax.Array]:
+    """The routing step alone: exact top-k of ``sigmoid(logits) + bias`` (SPEC section 4).
+
+    Args:
+      logits: ``[B, E]`` float32 router logits, ``B >= 1``.
+      bias: ``[E]`` float32 correction bias.
+      cfg: supplies ``experts``, ``top_k``, ``routed_scaling_factor`` and ``renormalize``.
+      backend: as for ``moe_front``.
+
+    Returns:
+      ``ids`` ``[B, K]`` int32 (16 distinct experts in ``[0, E)`` for any input, ties to the lower id,
+      NaN lowest) and ``weights`` ``[B, K]`` bfloat16.
+    """
+    backends.check_backend(backend)
+    if not isinstance(cfg, FrontConfig):
+        raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
+    shape = getattr(logits, "shape", None)
+    if shape is None or len(shape) != 2 or shape[1] != cfg.experts:
+        raise ValueError(f"logits must have shape [B, experts={cfg.experts}], got {shape}")
+    if shape[0] == 0:
+        raise ValueError(f"logits is an empty batch (shape {tuple(shape)}); B must be >= 1")
+    if logits.dtype != jnp.float32:
+        raise ValueError(f"logits must be float32, got {logits.dtype}")
+    bias_shape = getattr(bias, "shape", None)
+    if bias_shape is None or tuple(bias_shape) != (cfg.experts,) or bias.dtype != jnp.float32:
+        got = bias_shape if bias_shape is None else f"{tuple(bias_shape)} {bias.dtype}"
+        raise ValueError(f"bias must be ({cfg.experts},) float32, got {got}")
+    return backends.stage("route", backend)(logits, bias, cfg)

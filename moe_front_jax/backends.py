@@ -1,0 +1,80 @@
+"""Which implementation runs each stage of the front: the XLA reference or a Pallas kernel.
+
+Stages and their signatures (every implementation of a stage takes the same arguments):
+
+- ``front_gemm(x, packed, split, valid) -> (logits f32 [B, valid], latent_shard bf16 [B, n - split])``
+- ``route(logits, bias, cfg) -> (ids int32 [B, K], weights bf16 [B, K])``
+- ``plan(latent, block) -> (values float8_e4m3fn [B, L], scales float8_e8m0fnu [B, L / block])``
+- ``shared_expert(x, gate_up, down, cfg, out_dtype) -> [B, H]``
+
+``"xla"`` is the reference; ``"pallas"`` the GPU kernels; ``"interpret"`` the same kernels in Pallas'
+interpret mode (any machine); ``"auto"`` the kernels on a GPU where one exists for the stage, else the
+reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+
+import jax
+
+from moe_front_jax import reference
+
+BACKENDS = ("auto", "xla", "pallas", "interpret")
+
+REFERENCE: dict[str, Callable] = {
+    "front_gemm": reference.front_gemm,
+    "route": reference.route,
+    "plan": reference.mxfp8_plan,
+    "shared_expert": reference.shared_expert,
+}
+
+# stage -> "module:function" of its Pallas kernel, which takes the stage's arguments plus a keyword
+# ``interpret: bool``. A stage missing here has no kernel yet: PENDING says which issue brings it.
+KERNELS: dict[str, str] = {}
+PENDING: dict[str, str] = {
+    "front_gemm": "issue #4 (the weight-stationary front GEMM)",
+    "route": "issue #3 (the exact top-k routing kernel)",
+    "plan": "issue #7 (the MXFP8 plan and shared expert kernels)",
+    "shared_expert": "issue #7 (the MXFP8 plan and shared expert kernels)",
+}
+
+
+def check_backend(backend: str) -> str:
+    """Validate ``backend``; returns it."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def on_gpu() -> bool:
+    """Whether JAX's default backend is a GPU."""
+    return jax.default_backend() == "gpu"
+
+
+def stage(name: str, backend: str) -> Callable:
+    """The implementation of stage ``name`` under ``backend``.
+
+    Raises:
+      ValueError: an unknown backend or stage.
+      NotImplementedError: ``"pallas"`` or ``"interpret"`` asked of a stage with no kernel yet.
+    """
+    check_backend(backend)
+    if name not in REFERENCE:
+        raise ValueError(f"unknown stage {name!r}; stages are {tuple(REFERENCE)}")
+    if backend == "xla" or (backend == "auto" and (not on_gpu() or name not in KERNELS)):
+        return REFERENCE[name]
+    if name not in KERNELS:
+        raise NotImplementedError(
+            f"backend={backend!r}: no Pallas kernel for the {name} stage yet; it arrives with "
+            f"{PENDING[name]}. Use backend='xla' (or 'auto') meanwhile."
+        )
+    return functools.partial(_load(KERNELS[name]), interpret=backend == "interpret")
+
+
+@functools.cache
+def _load(target: str) -> Callable:
+    module, function = target.split(":")
+    return getattr(importlib.import_module(module), function)

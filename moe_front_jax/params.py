@@ -1,0 +1,191 @@
+"""Weights of the MoE front: seeded initialisation, validation, and packing into ``FrontParams``.
+
+The weights are a flat mapping under the model's module names (SPEC.md section 2). ``pack_params``
+turns one rank's share of them into the layout the kernels read: the packed
+``[router rows; zero rows; latent rows]`` front weight (SPEC section 3), the full correction bias, and
+the rank's slice of the shared expert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_front_jax.config import FrontConfig
+
+GATE = "gate.weight"
+BIAS = "gate.e_score_correction_bias"
+ROUTED_DOWN = "routed_down_weight"
+GATE_UP = "shared_experts.gate_up_proj.weight"
+DOWN = "shared_experts.down_proj.weight"
+SHARED_KEYS = (GATE_UP, DOWN)
+
+DEFAULT_SPLIT_ALIGN = 16
+"""Router rows are padded with zero rows up to a multiple of this before the latent rows start."""
+
+
+def weight_shapes(cfg: FrontConfig) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
+    """Expected ``(shape, dtype)`` of every weight key for ``cfg`` (unsharded, SPEC section 2)."""
+    h, e, lat, s = cfg.hidden, cfg.experts, cfg.latent, cfg.shared
+    shapes = {
+        GATE: ((e, h), jnp.bfloat16),
+        BIAS: ((e,), jnp.float32),
+        ROUTED_DOWN: ((lat, h), jnp.bfloat16),
+    }
+    if s:
+        shapes[GATE_UP] = ((2 * s, h), jnp.bfloat16)
+        shapes[DOWN] = ((h, s), jnp.bfloat16)
+    return shapes
+
+
+def init_weights(key: jax.Array, cfg: FrontConfig, shared: bool = True) -> dict[str, jax.Array]:
+    """Seeded random weights at realistic scales, under the keys of SPEC section 2.
+
+    Projections are normal with standard deviation ``1 / sqrt(fan_in)``, so unit-variance rows give
+    unit-variance logits, latent and gate/up; the correction bias is uniform in ``[-0.05, 0.05)``.
+
+    Args:
+      key: a ``jax.random`` key.
+      cfg: the model's sizes.
+      shared: include the shared expert's weights (needs ``cfg.shared > 0``).
+
+    Returns:
+      ``{name: array}``: ``gate.weight`` ``[E, H]`` bf16, ``gate.e_score_correction_bias`` ``[E]`` f32,
+      ``routed_down_weight`` ``[L, H]`` bf16, and with ``shared``
+      ``shared_experts.gate_up_proj.weight`` ``[2S, H]`` and ``shared_experts.down_proj.weight``
+      ``[H, S]`` bf16.
+    """
+    keys = jax.random.split(key, 5)
+
+    def normal(k, shape, fan_in):
+        return (jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)).astype(jnp.bfloat16)
+
+    h = cfg.hidden
+    weights = {
+        GATE: normal(keys[0], (cfg.experts, h), h),
+        BIAS: jax.random.uniform(keys[1], (cfg.experts,), jnp.float32, -0.05, 0.05),
+        ROUTED_DOWN: normal(keys[2], (cfg.latent, h), h),
+    }
+    if shared and cfg.shared:
+        weights[GATE_UP] = normal(keys[3], (2 * cfg.shared, h), h)
+        weights[DOWN] = normal(keys[4], (h, cfg.shared), cfg.shared)
+    return weights
+
+
+def check_weights(weights: Mapping[str, jax.Array], cfg: FrontConfig) -> bool:
+    """Validate ``weights`` against ``cfg``; returns whether the shared expert is present.
+
+    Raises:
+      ValueError: naming the key whose array is missing or has the wrong shape or dtype, or when only
+        one of the two shared-expert keys is given.
+    """
+    if not isinstance(weights, Mapping):
+        raise ValueError(f"weights must be a mapping of name -> array, got {type(weights).__name__}")
+    expected = weight_shapes(cfg)
+    present = [k for k in SHARED_KEYS if k in weights]
+    if len(present) == 1:
+        missing = next(k for k in SHARED_KEYS if k not in weights)
+        raise ValueError(f"weights has {present[0]!r} but not {missing!r}: give both or neither")
+    if present and not cfg.shared:
+        raise ValueError(f"weights has shared-expert keys but FrontConfig.shared is 0")
+    for name, (shape, dtype) in expected.items():
+        if name in SHARED_KEYS and not present:
+            continue
+        if name not in weights:
+            raise ValueError(f"weights is missing key {name!r} (expected {shape} {jnp.dtype(dtype)})")
+        array = weights[name]
+        if tuple(array.shape) != shape or array.dtype != dtype:
+            raise ValueError(
+                f"weights[{name!r}] is {tuple(array.shape)} {array.dtype}, "
+                f"expected {shape} {jnp.dtype(dtype)}"
+            )
+    return bool(present)
+
+
+def padded_split(valid: int, align: int = DEFAULT_SPLIT_ALIGN) -> int:
+    """First latent row of the packed weight: ``valid`` router rows rounded up to ``align``."""
+    return -(-valid // align) * align
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FrontParams:
+    """One rank's weights in the layout the front reads (a pytree; the config and split are static).
+
+    Attributes:
+      packed: ``[split + L/tp, H]`` bfloat16: the rank's ``E/tp`` router rows, zero rows up to
+        ``split``, then its ``L/tp`` latent down-projection rows.
+      bias: ``[E]`` float32 correction bias of every expert (routing ranks all of them on every rank).
+      gate_up: ``[2 S/tp, H]`` bfloat16, the rank's gate rows then its up rows; None without a shared
+        expert.
+      down: ``[H, S/tp]`` bfloat16, the rank's down-projection columns; None without a shared expert.
+      cfg: the model config, ``cfg.tp`` the number of ranks.
+      split: first latent row of ``packed``.
+    """
+
+    packed: jax.Array
+    bias: jax.Array
+    gate_up: jax.Array | None
+    down: jax.Array | None
+    cfg: FrontConfig = dataclasses.field(metadata=dict(static=True))
+    split: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def has_shared(self) -> bool:
+        return self.gate_up is not None
+
+
+def rank_slices(weights: Mapping[str, jax.Array], cfg: FrontConfig, rank: int, split: int):
+    """``(packed, gate_up, down)`` of ``rank``, sliced from the unsharded weights."""
+    valid, shard = cfg.experts_per_rank, cfg.latent_per_rank
+    router = weights[GATE][rank * valid:(rank + 1) * valid]
+    latent = weights[ROUTED_DOWN][rank * shard:(rank + 1) * shard]
+    padding = jnp.zeros((split - valid, cfg.hidden), jnp.bfloat16)
+    packed = jnp.concatenate([router, padding, latent], axis=0)
+    if GATE_UP not in weights:
+        return packed, None, None
+    s, s_r = cfg.shared, cfg.shared_per_rank
+    gate_up = weights[GATE_UP]
+    gate_up = jnp.concatenate(
+        [gate_up[rank * s_r:(rank + 1) * s_r], gate_up[s + rank * s_r:s + (rank + 1) * s_r]], axis=0
+    )
+    down = weights[DOWN][:, rank * s_r:(rank + 1) * s_r]
+    return packed, gate_up, down
+
+
+def pack_params(
+    weights: Mapping[str, jax.Array],
+    cfg: FrontConfig,
+    rank: int = 0,
+    split_align: int = DEFAULT_SPLIT_ALIGN,
+) -> FrontParams:
+    """Pack one rank's share of ``weights`` into ``FrontParams`` (SPEC section 3).
+
+    Args:
+      weights: the unsharded weights under the keys of SPEC section 2 (``init_weights``' output, or a
+        checkpoint's).
+      cfg: the model config; ``cfg.tp`` ranks share the weights.
+      rank: which rank's share to pack, in ``[0, cfg.tp)``.
+      split_align: router rows are padded with zero rows up to a multiple of this.
+
+    Returns:
+      ``FrontParams`` with ``packed`` ``[split + L/tp, H]``, where ``split`` is ``E/tp`` rounded up to
+      ``split_align``.
+
+    Raises:
+      ValueError: a missing key, a wrong shape or dtype (naming the key), or ``rank`` out of range.
+    """
+    if not isinstance(cfg, FrontConfig):
+        raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
+    check_weights(weights, cfg)
+    if not isinstance(rank, int) or not 0 <= rank < cfg.tp:
+        raise ValueError(f"rank must be an int in [0, tp={cfg.tp}), got {rank!r}")
+    if not isinstance(split_align, int) or split_align <= 0:
+        raise ValueError(f"split_align must be a positive int, got {split_align!r}")
+    split = padded_split(cfg.experts_per_rank, split_align)
+    packed, gate_up, down = rank_slices(weights, cfg, rank, split)
+    return FrontParams(packed, jnp.asarray(weights[BIAS]), gate_up, down, cfg, split)
