@@ -105,17 +105,30 @@ def route(
 
 
 def e8m0_exponent(value: jax.Array) -> jax.Array:
-    """Biased E8M0 exponent (uint8) of the smallest power of two >= ``value`` (float32, >= 0).
+    """Biased E8M0 exponent (uint8) of ``value`` (float32, >= 0) rounded toward +inf, saturating.
 
-    Rounds toward +inf and saturates at 254 (2**127): infinities and NaN saturate too. Zero, and values
-    below the smallest float32 subnormal, give 0, which decodes to 2**-127.
+    The smallest ``b`` in ``[0, 254]`` with ``2**(b - 127) >= value``: zero and values up to 2**-127
+    give 0; values above 2**127, infinities and NaN saturate at 254.
     """
     bits = lax.bitcast_convert_type(value.astype(jnp.float32), jnp.uint32)
     exponent = (bits >> 23) & jnp.uint32(0xFF)
     mantissa = bits & jnp.uint32(0x7FFFFF)
-    # A subnormal (exponent field 0, mantissa != 0) rounds up to 2**-126, exponent 1.
-    up = jnp.where(mantissa != 0, jnp.uint32(1), jnp.uint32(0))
-    return jnp.minimum(exponent + up, jnp.uint32(254)).astype(jnp.uint8)
+    # A normal value 2**(E-127) * 1.m needs E, plus one when m != 0. A subnormal is
+    # mantissa * 2**-149 < 2**-126: it fits under 2**-127 (b = 0) up to mantissa 2**22.
+    normal = exponent + jnp.where(mantissa != 0, jnp.uint32(1), jnp.uint32(0))
+    subnormal = jnp.where(mantissa > jnp.uint32(0x400000), jnp.uint32(1), jnp.uint32(0))
+    biased = jnp.where(exponent == 0, subnormal, normal)
+    return jnp.minimum(biased, jnp.uint32(254)).astype(jnp.uint8)
+
+
+def e8m0_inverse(exponent: jax.Array) -> jax.Array:
+    """``1 / scale`` in float32 for biased E8M0 ``exponent``, the scale decoded as the float32 whose
+    exponent field is that byte: byte 0 decodes to 0 and gets inverse 0; else ``2**(127 - b)``."""
+    b = exponent.astype(jnp.uint32)
+    # 2**(127 - b) has exponent field 254 - b; at b = 254 that is the subnormal 2**-127.
+    inverse = lax.bitcast_convert_type((jnp.uint32(254) - b) << 23, jnp.float32)
+    inverse = jnp.where(b == 254, jnp.float32(2.0**-127), inverse)
+    return jnp.where(b == 0, jnp.float32(0), inverse)
 
 
 def mxfp8_plan(latent: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array]:
@@ -123,21 +136,18 @@ def mxfp8_plan(latent: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array
 
     Args:
       latent: ``[B, L]`` bfloat16.
+      block: elements per scale.
 
     Returns:
       ``values`` ``[B, L]`` float8_e4m3fn, ``float8_e4m3fn(clamp(v * inverse, -448, 448))`` rounded to
       nearest even, and ``scales`` ``[B, L / block]`` float8_e8m0fnu, ``amax / 448`` rounded up to a
-      power of two; ``inverse = 1 / scale``, or 0 where the scale byte is 0.
+      power of two (``e8m0_exponent``); ``inverse`` as ``e8m0_inverse`` gives it.
     """
     rows, width = latent.shape
     blocks = latent.astype(jnp.float32).reshape(rows, width // block, block)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
     exponent = e8m0_exponent(amax / jnp.float32(E4M3_MAX))
-    # 1 / 2**(e - 127) = 2**(127 - e), an exact float32 for e in [1, 254].
-    inverse_bits = (jnp.uint32(254) - exponent.astype(jnp.uint32)) << 23
-    inverse = lax.bitcast_convert_type(inverse_bits, jnp.float32)
-    inverse = jnp.where(exponent == 0, jnp.float32(0), inverse)
-    scaled = jnp.clip(blocks * inverse[..., None], -E4M3_MAX, E4M3_MAX)
+    scaled = jnp.clip(blocks * e8m0_inverse(exponent)[..., None], -E4M3_MAX, E4M3_MAX)
     values = scaled.reshape(rows, width).astype(jnp.float8_e4m3fn)
     scales = lax.bitcast_convert_type(exponent, jnp.float8_e8m0fnu)
     return values, scales
