@@ -76,8 +76,12 @@ def routing_weights(chosen_scores: jax.Array, cfg: FrontConfig) -> jax.Array:
     w = jnp.where(jnp.isnan(chosen_scores), jnp.float32(0), chosen_scores.astype(jnp.float32))
     scaled = w * jnp.float32(cfg.routed_scaling_factor)
     if cfg.renormalize:
-        total = tree_sum(w)[..., None]
-        scaled = scaled / (total + jnp.float32(RENORM_EPSILON))
+        total = tree_sum(w)[..., None] + jnp.float32(RENORM_EPSILON)
+        # XLA's simplifier turns a division by a broadcast into a multiplication by its reciprocal,
+        # which rounds differently from the correctly rounded division the SPEC asks for; the
+        # barrier keeps the full-shape denominator opaque to that rewrite.
+        denominator = lax.optimization_barrier(jnp.broadcast_to(total, scaled.shape))
+        scaled = scaled / denominator
     return scaled.astype(jnp.bfloat16)
 
 
