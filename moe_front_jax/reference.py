@@ -125,14 +125,21 @@ def e8m0_exponent(value: jax.Array) -> jax.Array:
     return jnp.minimum(biased, jnp.uint32(254)).astype(jnp.uint8)
 
 
-def e8m0_inverse(exponent: jax.Array) -> jax.Array:
-    """``1 / scale`` in float32 for biased E8M0 ``exponent``, the scale decoded as the float32 whose
-    exponent field is that byte: byte 0 decodes to 0 and gets inverse 0; else ``2**(127 - b)``."""
+def e8m0_scale_down(values: jax.Array, exponent: jax.Array) -> jax.Array:
+    """``values * inverse`` for biased E8M0 ``exponent`` (broadcast against ``values``).
+
+    The scale decodes as the float32 whose exponent field is the byte, so byte 0 decodes to 0 and
+    gets inverse 0; otherwise ``inverse = 2**(127 - b)``. At b = 254 that inverse, 2**-127, is a
+    float32 subnormal that flush-to-zero arithmetic would lose (and turn inf * 0 into NaN), so it is
+    applied as two normal factors, 2**-64 * 2**-63.
+    """
     b = exponent.astype(jnp.uint32)
-    # 2**(127 - b) has exponent field 254 - b; at b = 254 that is the subnormal 2**-127.
-    inverse = lax.bitcast_convert_type((jnp.uint32(254) - b) << 23, jnp.float32)
-    inverse = jnp.where(b == 254, jnp.float32(2.0**-127), inverse)
-    return jnp.where(b == 0, jnp.float32(0), inverse)
+    top = b == 254
+    # 2**(127 - b) has exponent field 254 - b; for b = 254 use 2**-64 (field 63) then 2**-63.
+    first = lax.bitcast_convert_type(jnp.where(top, jnp.uint32(63), 254 - b) << 23, jnp.float32)
+    first = jnp.where(b == 0, jnp.float32(0), first)
+    second = jnp.where(top, jnp.float32(2.0**-63), jnp.float32(1))
+    return values * first * second
 
 
 def mxfp8_plan(latent: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array]:
@@ -145,13 +152,13 @@ def mxfp8_plan(latent: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array
     Returns:
       ``values`` ``[B, L]`` float8_e4m3fn, ``float8_e4m3fn(clamp(v * inverse, -448, 448))`` rounded to
       nearest even, and ``scales`` ``[B, L / block]`` float8_e8m0fnu, ``amax / 448`` rounded up to a
-      power of two (``e8m0_exponent``); ``inverse`` as ``e8m0_inverse`` gives it.
+      power of two (``e8m0_exponent``); ``v * inverse`` as ``e8m0_scale_down`` computes it.
     """
     rows, width = latent.shape
     blocks = latent.astype(jnp.float32).reshape(rows, width // block, block)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
     exponent = e8m0_exponent(amax / jnp.float32(E4M3_MAX))
-    scaled = jnp.clip(blocks * e8m0_inverse(exponent)[..., None], -E4M3_MAX, E4M3_MAX)
+    scaled = jnp.clip(e8m0_scale_down(blocks, exponent[..., None]), -E4M3_MAX, E4M3_MAX)
     values = scaled.reshape(rows, width).astype(jnp.float8_e4m3fn)
     scales = lax.bitcast_convert_type(exponent, jnp.float8_e8m0fnu)
     return values, scales
