@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_front_jax import backends
+from moe_front_jax.bridge import mailbox as mailboxes
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import FrontParams
 
@@ -77,7 +78,8 @@ def moe_front(
     *,
     plan: bool = False,
     backend: str = "auto",
-) -> FrontOutput:
+    mailbox: mailboxes.Mailbox | None = None,
+) -> FrontOutput | tuple[FrontOutput, mailboxes.Mailbox]:
     """The MoE front of one decode step: front GEMM, exact top-k routing, latent, shared expert.
 
     Args:
@@ -86,13 +88,18 @@ def moe_front(
       plan: also return the MXFP8 copy of the latent (``FrontOutput.plan``).
       backend: ``"auto"`` (Pallas kernels on a GPU, the XLA reference elsewhere), ``"xla"``,
         ``"pallas"`` or ``"interpret"`` (the Pallas kernels in interpret mode).
+      mailbox: a ``Mailbox``: the logits and latent shard travel through it (published, polled,
+        copied out, re-armed; SPEC section 7) before routing. Donate it: ``jax.jit(moe_front,
+        donate_argnames="mailbox")``. Its path canonicalizes -0 logits and latent values to +0
+        (``moe_front_jax.bridge.mailbox`` says why routing is unaffected).
 
     Returns:
-      ``FrontOutput(ids, weights, latent, logits, shared, plan, status)``.
+      ``FrontOutput(ids, weights, latent, logits, shared, plan, status)``; with a mailbox, the pair
+      ``(FrontOutput, Mailbox)``, ``status`` being 0 or ``Mailbox.TIMEOUT``.
 
     Raises:
-      ValueError: at trace time, for a wrong shape or dtype of ``x`` or ``params``, an empty batch or
-        an unknown backend.
+      ValueError: at trace time, for a wrong shape or dtype of ``x`` or ``params``, an empty batch,
+        an unknown backend, or a mailbox laid out for another config or too small for the batch.
 
     Example::
 
@@ -105,6 +112,8 @@ def moe_front(
     check_params(params)
     cfg = params.cfg
     check_rows(x, cfg)
+    if mailbox is not None:
+        mailboxes.check_mailbox(mailbox, cfg, x.shape[0])
     if cfg.tp != 1:
         raise ValueError(
             f"params are one rank's shard of tp={cfg.tp}; call moe_front inside jax.shard_map with "
@@ -112,6 +121,9 @@ def moe_front(
         )
     gemm = backends.stage("front_gemm", backend)
     logits, latent = gemm(x, params.packed, params.split, cfg.experts_per_rank)
+    status = jnp.zeros((), jnp.int32)
+    if mailbox is not None:
+        logits, latent, status, mailbox = mailboxes.exchange(mailbox, logits, latent, backend=backend)
     ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
     shared = None
     if params.has_shared:
@@ -119,7 +131,8 @@ def moe_front(
             x, params.gate_up, params.down, cfg, jnp.bfloat16
         )
     planned = backends.stage("plan", backend)(latent, cfg.plan_block) if plan else None
-    return FrontOutput(ids, weights, latent, logits, shared, planned, jnp.zeros((), jnp.int32))
+    out = FrontOutput(ids, weights, latent, logits, shared, planned, status)
+    return out if mailbox is None else (out, mailbox)
 
 
 def route(
