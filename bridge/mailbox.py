@@ -63,8 +63,8 @@ writer may still land in the re-armed row: a caller that sees the status should 
 with a new one. In plain JAX there is nothing to wait for: a chunk holding the sentinel when it is
 collected is a timeout.
 
-``Mailbox.control`` is int32 ``[3]``: the generation of the next step, then two words the GPU collect
-uses inside one call (a count of finished programs and a timeout flag; both 0 between calls).
+``Mailbox.control`` is int32 ``[2]``: the generation of the next step, then a word the GPU collect
+counts its finished and timed-out programs in during one call (0 between calls).
 
 Backends: ``"auto"`` runs the jax-triton kernels of ``triton_mailbox`` on a GPU (imported only then:
 jax-triton 0.3.1 cannot be imported without a GPU jaxlib) and this module's plain JAX elsewhere;
@@ -91,8 +91,8 @@ TIMEOUT = 1
 """Status of a collect that found a chunk still holding the sentinel after its spin limit."""
 CHUNK_WORDS = 4
 """32-bit words per 16-byte chunk, the unit a reader polls, copies and re-arms."""
-CONTROL_WORDS = 3
-"""``Mailbox.control``: [generation of the next step, finished programs, timeout flag]."""
+CONTROL_WORDS = 2
+"""``Mailbox.control``: [generation of the next step, the GPU collect's finish counter]."""
 
 
 def latent_words(cfg: FrontConfig) -> int:
@@ -127,8 +127,8 @@ class Mailbox:
 
     Attributes:
       buffer: ``[generations, capacity, words]`` uint32 rows (layout in the module docstring).
-      control: ``[3]`` int32: the generation the next step uses, and two words that are 0 between
-        calls (the GPU collect's count of finished programs and its timeout flag).
+      control: ``[2]`` int32: the generation the next step uses, and the GPU collect's count of
+        finished and timed-out programs (0 between calls).
       cfg: the model config the rows are laid out for (static).
     """
 

@@ -117,21 +117,21 @@ def mailbox_collect(
         pending = tl.sum((words == _SENTINEL).to(tl.int32), axis=None)
         # Once one program has timed out the step has failed: the others stop polling at once, so
         # programs of a later wave do not each spin to the limit.
-        given_up = tl.load(control + 2, volatile=True)
+        given_up = tl.load(control + 1, volatile=True) >> 16
         spins = tl.where(given_up != 0, SPIN, spins + 1)
-    if pending > 0:
-        tl.atomic_or(control + 2, 1)
     latent_words = latent.to(tl.pointer_type(tl.uint32))
     logit_words = logits.to(tl.pointer_type(tl.uint32))
     tl.store(latent_words + row * LATENT_WORDS + word, words, mask=in_latent)
     tl.store(logit_words + row * EXPERTS + (word - LATENT_WORDS), words, mask=in_logits)
     tl.store(cell, tl.full(words.shape, _SENTINEL, tl.uint32), mask=data)
-    # The last program to finish (acq_rel ticket: every other program has read ``generation`` and
-    # raised its timeout flag before it) reports the status and hands the next generation on.
-    ticket = tl.atomic_add(control + 1, 1)
-    if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
-        timed_out = tl.atomic_xchg(control + 2, 0)
-        tl.store(status, tl.where(timed_out != 0, TIMEOUT, 0))
+    # One acq_rel atomic per program counts it as finished (low 16 bits) and as timed out (high 16
+    # bits). The program that finishes last, after every other one has read ``generation``, reports
+    # the status and hands the next generation on.
+    finish = 1 + ((pending > 0).to(tl.int32) << 16)
+    before = tl.atomic_add(control + 1, finish)
+    if (before & 0xFFFF) == tl.num_programs(0) * tl.num_programs(1) - 1:
+        timed_out = ((before + finish) >> 16) != 0
+        tl.store(status, tl.where(timed_out, TIMEOUT, 0))
         tl.store(control, (generation + 1) % GENERATIONS)
         tl.store(control + 1, 0)
 
@@ -182,10 +182,19 @@ def collect(
     Returns ``(logits [batch, E] float32, latent [batch, L] bfloat16, status int32 scalar, mailbox)``
     as ``mailbox.collect`` describes; ``spin_limit`` bounds the polls of each chunk block. Arguments
     are checked by ``mailbox.collect``.
+
+    Raises:
+      NotImplementedError: a grid of 2**16 programs or more (the finish counter's 16-bit fields).
     """
     import jax_triton as jt
 
     cfg = mailbox.cfg
+    blocks, rows = grid(cfg, batch)
+    if blocks * rows >= 1 << 16:
+        raise NotImplementedError(
+            f"a collect of {batch} rows of {mb.row_words(cfg)} words needs {blocks * rows} programs; "
+            "the GPU collect counts at most 65535: collect fewer rows per call"
+        )
     buffer, control, latent, logits, status = jt.triton_call(
         mailbox.buffer,
         mailbox.control,
@@ -197,7 +206,7 @@ def collect(
             jax.ShapeDtypeStruct((batch, cfg.experts), jnp.float32),
             jax.ShapeDtypeStruct((), jnp.int32),
         ),
-        grid=grid(cfg, batch),
+        grid=(blocks, rows),
         input_output_aliases={0: 0, 1: 1},
         num_warps=NUM_WARPS,
         name="mailbox_collect",
