@@ -35,9 +35,13 @@ Other negative values, subnormals and NaN payloads pass unchanged.
 
 Generations, and why the immediate re-arm is safe
 -------------------------------------------------
-Step ``t`` (one ``exchange``) uses generation ``g = t mod G``; ``Mailbox.control[0]`` holds ``g`` and
-the collect advances it. A collect re-arms each chunk right after copying it out. That never erases a
-value of a later step:
+Step ``t`` (one ``exchange``) uses generation ``g = t mod G``. ``Mailbox.control`` is int32 ``[2]``:
+the generation the last collect read, then the one the last publish wrote. A publish writes generation
+``(control[0] + 1) mod G`` and records it in ``control[1]``; a collect reads generation ``control[1]``
+and records it in ``control[0]``. Neither kernel writes a word it reads, so every program of a grid
+reads the same value without atomics or a barrier. A new mailbox holds ``[G - 1, G - 1]``, and
+after a step both words are that step's generation. A collect re-arms each chunk right after copying it
+out. That never erases a value of a later step:
 
 1. On one device (tp = 1, what runs today): publish(t), collect(t) and publish(t+1) are kernels on one
    stream. collect(t) completes, its re-arm stores included, before publish(t+1) starts (jax-triton's
@@ -63,8 +67,9 @@ writer may still land in the re-armed row: a caller that sees the status should 
 with a new one. In plain JAX there is nothing to wait for: a chunk holding the sentinel when it is
 collected is a timeout.
 
-``Mailbox.control`` is int32 ``[2]``: the generation of the next step, then a word the GPU collect
-counts its finished and timed-out programs in during one call (0 between calls).
+On the GPU the status is one word: publish writes 0 into it, and a collect program that times out
+writes ``TIMEOUT``; the other programs read it while they poll and stop at once when it is set, so
+the programs of a later wave do not each spin to the limit.
 
 Backends: ``"auto"`` runs the jax-triton kernels of ``triton_mailbox`` on a GPU (imported only then:
 jax-triton 0.3.1 cannot be imported without a GPU jaxlib) and this module's plain JAX elsewhere;
@@ -92,7 +97,7 @@ TIMEOUT = 1
 CHUNK_WORDS = 4
 """32-bit words per 16-byte chunk, the unit a reader polls, copies and re-arms."""
 CONTROL_WORDS = 2
-"""``Mailbox.control``: [generation of the next step, the GPU collect's finish counter]."""
+"""``Mailbox.control``: [generation the last collect read, generation the last publish wrote]."""
 
 
 def latent_words(cfg: FrontConfig) -> int:
@@ -127,8 +132,8 @@ class Mailbox:
 
     Attributes:
       buffer: ``[generations, capacity, words]`` uint32 rows (layout in the module docstring).
-      control: ``[2]`` int32: the generation the next step uses, and the GPU collect's count of
-        finished and timed-out programs (0 between calls).
+      control: ``[2]`` int32: the generation the last collect read, and the one the last publish
+        wrote (``[G - 1, G - 1]`` when new).
       cfg: the model config the rows are laid out for (static).
     """
 
@@ -167,7 +172,8 @@ class Mailbox:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         rows = np.broadcast_to(armed_row(cfg), (generations, capacity, row_words(cfg)))
-        return cls(jnp.asarray(rows), jnp.zeros((CONTROL_WORDS,), jnp.int32), cfg)
+        control = jnp.full((CONTROL_WORDS,), generations - 1, jnp.int32)
+        return cls(jnp.asarray(rows), control, cfg)
 
     @property
     def generations(self) -> int:
@@ -282,8 +288,9 @@ def publish(
       backend: see the module docstring; the GPU kernels publish rank 0 of tp = 1 only.
 
     Returns:
-      The mailbox with rows ``[0, B)`` of generation ``control[0]`` holding the canonical words at the
-      rank's columns: latent words ``[rank * L/(2 tp), ...)``, logit words ``L/2 + [rank * E/tp, ...)``.
+      The mailbox with rows ``[0, B)`` of generation ``g = (control[0] + 1) mod G`` holding the
+      canonical words at the rank's columns (latent words ``[rank * L/(2 tp), ...)``, logit words
+      ``L/2 + [rank * E/tp, ...)``), and ``control[1] = g``.
 
     Raises:
       ValueError: a wrong shape or dtype, a batch over the capacity, or an int ``rank`` out of range.
@@ -302,21 +309,21 @@ def publish(
                 f"the GPU mailbox kernels publish on one device (tp=1), got tp={cfg.tp}: the "
                 "cross-GPU publish arrives with the multi-GPU issue; use backend='xla'"
             )
-        return _kernels().publish(mailbox, logits, latent_shard)
-    generation = mailbox.control[0]
+        return _kernels().publish(mailbox, logits, latent_shard)[0]
+    generation = (mailbox.control[0] + 1) % mailbox.generations
     latent_at = rank * (cfg.latent_per_rank // 2)
     logits_at = latent_words(cfg) + rank * cfg.experts_per_rank
     buffer = lax.dynamic_update_slice(
         mailbox.buffer, latent_to_words(latent_shard)[None], (generation, 0, latent_at)
     )
     buffer = lax.dynamic_update_slice(buffer, logits_to_words(logits)[None], (generation, 0, logits_at))
-    return dataclasses.replace(mailbox, buffer=buffer)
+    return Mailbox(buffer, mailbox.control.at[1].set(generation), cfg)
 
 
 def collect(
     mailbox: Mailbox, batch: int, *, backend: str = "auto"
 ) -> tuple[jax.Array, jax.Array, jax.Array, Mailbox]:
-    """Read rows ``[0, batch)`` of the current generation, re-arm them, advance the generation.
+    """Read rows ``[0, batch)`` of the generation last published, and re-arm them.
 
     Args:
       mailbox: the ``Mailbox``.
@@ -326,7 +333,7 @@ def collect(
     Returns:
       ``(logits [batch, E] float32, latent [batch, L] bfloat16, status int32 scalar, mailbox)``:
       status is ``TIMEOUT`` when a chunk still held the sentinel (after the spin limit on the GPU),
-      else 0; the returned mailbox is armed and its ``control[0]`` is the next generation.
+      else 0; the returned mailbox is armed and its ``control[0]`` is the generation read.
 
     Raises:
       ValueError: a wrong mailbox, or ``batch`` not in ``[1, capacity]``.
@@ -336,8 +343,8 @@ def collect(
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     check_mailbox(mailbox, cfg, batch)
     if _use_kernels(backend):
-        return _kernels().collect(mailbox, batch)
-    generation = mailbox.control[0]
+        return _kernels().collect(mailbox, batch, jnp.zeros((), jnp.int32))
+    generation = mailbox.control[1]
     words = lax.dynamic_slice(mailbox.buffer, (generation, 0, 0), (1, batch, data_words(cfg)))[0]
     # The copy-out is complete before the re-arm: without the barrier XLA may fuse reads of the rows
     # into consumers scheduled after the re-arm, and then copies the whole buffer to keep them valid.
@@ -349,7 +356,7 @@ def collect(
     logits = lax.bitcast_convert_type(words[:, latent_words(cfg):], jnp.float32)
     armed = jnp.full((1, batch, data_words(cfg)), SENTINEL, jnp.uint32)
     buffer = lax.dynamic_update_slice(buffer, armed, (generation, 0, 0))
-    control = control.at[0].set((generation + 1) % mailbox.generations)
+    control = control.at[0].set(generation)
     return logits, latent, status, Mailbox(buffer, control, cfg)
 
 
@@ -394,6 +401,11 @@ def exchange(
             raise ValueError(
                 f"the mailbox is for tp={cfg.tp} ranks: pass axis_name, the mesh axis of the ranks"
             )
+        if _use_kernels(backend):
+            _check_shard("latent_shard", latent_shard, batch, cfg.latent_per_rank, jnp.bfloat16)
+            kernels = _kernels()
+            mailbox, status = kernels.publish(mailbox, logits, latent_shard)
+            return kernels.collect(mailbox, batch, status)
         mailbox = publish(mailbox, logits, latent_shard, 0, backend=backend)
     else:
         if _use_kernels(backend):

@@ -6,13 +6,14 @@ kernels themselves can be compiled for an H200 by Triton alone, on a host withou
 
 Why jax-triton and not Pallas: the protocol needs raw pointers into a buffer that persists across
 calls and is updated in place (``input_output_aliases``), volatile 16-byte loads that re-read memory
-another writer may change while the kernel runs, a bounded spin loop, and atomics that hand state from
-the last program of a grid to the next call. Pallas' Triton lowering has no volatile load and Mosaic
-GPU has no unbounded-by-shape loop over a global read; ``triton_call`` gives them directly.
+another writer may change while the kernel runs, and a spin loop bounded by a count rather than by a
+shape. Pallas' Triton lowering has no volatile load; ``triton_call`` gives all three directly.
 
-The layout, the sentinel, the generations and the safety argument of the immediate re-arm are in
-``mailbox``'s docstring. Both kernels run one program per (block of ``BLOCK_CHUNKS`` 16-byte chunks,
-row); each thread owns one chunk, so each load and store of the row is a 16-byte vector access.
+The layout, the sentinel, the generations, the control words and the safety argument of the immediate
+re-arm are in ``mailbox``'s docstring. Both kernels run one program per (block of ``BLOCK_CHUNKS``
+16-byte chunks, row); each thread owns whole chunks, so each load and store of the row is a 16-byte
+vector access. Neither kernel uses an atomic: publish zeroes the status word that collect's timed-out
+programs set, and each kernel writes only control words it does not read.
 
 Byte counts per row, for ``L`` latent columns and ``E`` experts (a row is ``2L + 4E`` bytes, 10752 for
 Kimi-K3): publish reads ``2L + 4E`` bytes of logits and latent and writes as many into the mailbox;
@@ -23,8 +24,6 @@ their launch and the dependency between them, not bandwidth.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import triton
@@ -32,8 +31,9 @@ import triton.language as tl
 
 from moe_front_jax.bridge import mailbox as mb
 
-BLOCK_CHUNKS = 128
-"""16-byte chunks per program: one per thread of ``NUM_WARPS`` warps."""
+BLOCK_CHUNKS = 256
+"""16-byte chunks per program, two per thread of ``NUM_WARPS`` warps (the best of 32..256 on the H200
+at B = 256, equal at B <= 64)."""
 NUM_WARPS = 4
 SPIN_LIMIT = 1 << 17
 """Polls of a chunk block before the collect gives up and reports ``TIMEOUT`` (tens of ms)."""
@@ -54,20 +54,24 @@ def _canonical(words, in_latent):
 @triton.jit
 def mailbox_publish(
     buffer_in,
-    control,
+    control_in,
     logits,
     latent_shard,
     buffer,
+    control,
+    status,
     CAPACITY: tl.constexpr,
     ROW_WORDS: tl.constexpr,
     LATENT_WORDS: tl.constexpr,
     EXPERTS: tl.constexpr,
+    GENERATIONS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # ``buffer_in`` and ``buffer`` are one allocation (input 0 aliases output 0; jax-triton passes the
-    # pointer twice); every access goes through ``buffer``.
+    # Inputs 0 and 1 alias outputs 0 and 1 (jax-triton passes each pointer twice); every access goes
+    # through ``buffer`` and ``control``. Every program stores the same values into ``control[1]``
+    # and ``status``, words that no program of this grid reads.
     block, row = tl.program_id(0), tl.program_id(1)
-    generation = tl.load(control)
+    generation = (tl.load(control) + 1) % GENERATIONS
     chunk = block * BLOCK + tl.arange(0, BLOCK)
     word = chunk[:, None] * 4 + tl.arange(0, 4)[None, :]
     in_latent = word < LATENT_WORDS
@@ -79,12 +83,15 @@ def mailbox_publish(
     words = _canonical(tl.where(in_latent, from_latent, from_logits), in_latent)
     cell = buffer + (generation * CAPACITY + row).to(tl.int64) * ROW_WORDS + word
     tl.store(cell, words, mask=in_latent | in_logits)
+    tl.store(control + 1, generation)
+    tl.store(status, 0)
 
 
 @triton.jit
 def mailbox_collect(
     buffer_in,
     control_in,
+    status_in,
     buffer,
     control,
     latent,
@@ -94,14 +101,14 @@ def mailbox_collect(
     ROW_WORDS: tl.constexpr,
     LATENT_WORDS: tl.constexpr,
     EXPERTS: tl.constexpr,
-    GENERATIONS: tl.constexpr,
     BLOCK: tl.constexpr,
     SPIN: tl.constexpr,
     TIMEOUT: tl.constexpr,
 ):
-    # Inputs 0 and 1 alias outputs 0 and 1; every access goes through ``buffer`` and ``control``.
+    # Inputs 0, 1 and 2 alias outputs 0, 1 and 4; every access goes through the output pointers.
+    # Every program stores the same value into ``control[0]``, a word no program of this grid reads.
     block, row = tl.program_id(0), tl.program_id(1)
-    generation = tl.load(control)
+    generation = tl.load(control + 1)
     chunk = block * BLOCK + tl.arange(0, BLOCK)
     word = chunk[:, None] * 4 + tl.arange(0, 4)[None, :]
     in_latent = word < LATENT_WORDS
@@ -115,25 +122,17 @@ def mailbox_collect(
     while (pending > 0) & (spins < SPIN):
         words = tl.load(cell, mask=data, other=0, volatile=True)
         pending = tl.sum((words == _SENTINEL).to(tl.int32), axis=None)
-        # Once one program has timed out the step has failed: the others stop polling at once, so
-        # programs of a later wave do not each spin to the limit.
-        given_up = tl.load(control + 1, volatile=True) >> 16
+        # Once one program has timed out the step has failed: the others stop polling at once.
+        given_up = tl.load(status, volatile=True)
         spins = tl.where(given_up != 0, SPIN, spins + 1)
+    if pending > 0:
+        tl.store(status, TIMEOUT)
     latent_words = latent.to(tl.pointer_type(tl.uint32))
     logit_words = logits.to(tl.pointer_type(tl.uint32))
     tl.store(latent_words + row * LATENT_WORDS + word, words, mask=in_latent)
     tl.store(logit_words + row * EXPERTS + (word - LATENT_WORDS), words, mask=in_logits)
     tl.store(cell, tl.full(words.shape, _SENTINEL, tl.uint32), mask=data)
-    # One acq_rel atomic per program counts it as finished (low 16 bits) and as timed out (high 16
-    # bits). The program that finishes last, after every other one has read ``generation``, reports
-    # the status and hands the next generation on.
-    finish = 1 + ((pending > 0).to(tl.int32) << 16)
-    before = tl.atomic_add(control + 1, finish)
-    if (before & 0xFFFF) == tl.num_programs(0) * tl.num_programs(1) - 1:
-        timed_out = ((before + finish) >> 16) != 0
-        tl.store(status, tl.where(timed_out, TIMEOUT, 0))
-        tl.store(control, (generation + 1) % GENERATIONS)
-        tl.store(control + 1, 0)
+    tl.store(control, generation)
 
 
 def grid(cfg, batch: int) -> tuple[int, int]:
@@ -151,53 +150,57 @@ def layout(cfg) -> dict[str, int]:
     )
 
 
-def publish(mailbox: mb.Mailbox, logits: jax.Array, latent_shard: jax.Array) -> mb.Mailbox:
+def publish(
+    mailbox: mb.Mailbox, logits: jax.Array, latent_shard: jax.Array
+) -> tuple[mb.Mailbox, jax.Array]:
     """Write ``logits`` ``[B, E]`` float32 and ``latent_shard`` ``[B, L]`` bfloat16 (tp = 1) into rows
-    ``[0, B)`` of generation ``control[0]``, canonicalized, in place. Arguments are checked by
-    ``mailbox.publish``."""
+    ``[0, B)`` of the next generation, canonicalized, in place.
+
+    Returns the mailbox and a zeroed int32 status word for ``collect``. Arguments are checked by
+    ``mailbox.publish``.
+    """
     import jax_triton as jt
 
-    buffer = jt.triton_call(
+    cfg = mailbox.cfg
+    buffer, control, status = jt.triton_call(
         mailbox.buffer,
         mailbox.control,
         logits,
         latent_shard,
         kernel=mailbox_publish,
-        out_shape=jax.ShapeDtypeStruct(mailbox.buffer.shape, mailbox.buffer.dtype),
-        grid=grid(mailbox.cfg, logits.shape[0]),
-        input_output_aliases={0: 0},
+        out_shape=(
+            jax.ShapeDtypeStruct(mailbox.buffer.shape, mailbox.buffer.dtype),
+            jax.ShapeDtypeStruct(mailbox.control.shape, mailbox.control.dtype),
+            jax.ShapeDtypeStruct((), jnp.int32),
+        ),
+        grid=grid(cfg, logits.shape[0]),
+        input_output_aliases={0: 0, 1: 1},
         num_warps=NUM_WARPS,
         name="mailbox_publish",
         CAPACITY=mailbox.capacity,
-        **layout(mailbox.cfg),
+        GENERATIONS=mailbox.generations,
+        **layout(cfg),
     )
-    return dataclasses.replace(mailbox, buffer=buffer)
+    return mb.Mailbox(buffer, control, cfg), status
 
 
 def collect(
-    mailbox: mb.Mailbox, batch: int, spin_limit: int = SPIN_LIMIT
+    mailbox: mb.Mailbox, batch: int, status: jax.Array, spin_limit: int = SPIN_LIMIT
 ) -> tuple[jax.Array, jax.Array, jax.Array, mb.Mailbox]:
-    """Poll, copy out and re-arm rows ``[0, batch)`` of generation ``control[0]``, in place.
+    """Poll, copy out and re-arm rows ``[0, batch)`` of the generation last published, in place.
 
-    Returns ``(logits [batch, E] float32, latent [batch, L] bfloat16, status int32 scalar, mailbox)``
-    as ``mailbox.collect`` describes; ``spin_limit`` bounds the polls of each chunk block. Arguments
-    are checked by ``mailbox.collect``.
-
-    Raises:
-      NotImplementedError: a grid of 2**16 programs or more (the finish counter's 16-bit fields).
+    ``status`` is an int32 scalar holding 0 (``publish``'s); it is updated in place and returned.
+    Returns ``(logits [batch, E] float32, latent [batch, L] bfloat16, status, mailbox)`` as
+    ``mailbox.collect`` describes; ``spin_limit`` bounds the polls of each chunk block. Arguments are
+    checked by ``mailbox.collect``.
     """
     import jax_triton as jt
 
     cfg = mailbox.cfg
-    blocks, rows = grid(cfg, batch)
-    if blocks * rows >= 1 << 16:
-        raise NotImplementedError(
-            f"a collect of {batch} rows of {mb.row_words(cfg)} words needs {blocks * rows} programs; "
-            "the GPU collect counts at most 65535: collect fewer rows per call"
-        )
     buffer, control, latent, logits, status = jt.triton_call(
         mailbox.buffer,
         mailbox.control,
+        status,
         kernel=mailbox_collect,
         out_shape=(
             jax.ShapeDtypeStruct(mailbox.buffer.shape, mailbox.buffer.dtype),
@@ -206,12 +209,11 @@ def collect(
             jax.ShapeDtypeStruct((batch, cfg.experts), jnp.float32),
             jax.ShapeDtypeStruct((), jnp.int32),
         ),
-        grid=(blocks, rows),
-        input_output_aliases={0: 0, 1: 1},
+        grid=grid(cfg, batch),
+        input_output_aliases={0: 0, 1: 1, 2: 4},
         num_warps=NUM_WARPS,
         name="mailbox_collect",
         CAPACITY=mailbox.capacity,
-        GENERATIONS=mailbox.generations,
         SPIN=spin_limit,
         TIMEOUT=mb.TIMEOUT,
         **layout(cfg),
