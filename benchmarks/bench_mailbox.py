@@ -177,10 +177,14 @@ def main():
     with open(os.path.join(args.out, "bench_mailbox.json"), "w") as f:
         json.dump(report, f, indent=1)
     for row in report["batches"]:
-        print(f"B={row['batch']} mailbox kernels:", [(n[:40], round(us, 2)) for n, us in row["mailbox"]["kernels"]])
+        kernels = [(name[:40], round(us, 2)) for name, us in row["mailbox"]["kernels"]]
+        print(f"B={row['batch']} mailbox path kernels (us):", kernels)
     print("timeout status after (s):", {b: round(s, 4) for b, s in report["timeout_s"].items()})
     print()
-    print("| B | direct us | mailbox us | added us | publish us | collect us | exchange alone us | mailbox / direct |")
+    print(
+        "| B | direct us | mailbox us | added us | publish us | collect us | exchange alone us "
+        "| mailbox / direct |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in report["batches"]:
         d, m = row["direct"]["us"], row["mailbox"]["us"]

@@ -205,7 +205,8 @@ def check_mailbox(mailbox, cfg: FrontConfig, batch: int) -> None:
     control = mailbox.control
     if tuple(control.shape) != (CONTROL_WORDS,) or control.dtype != jnp.int32:
         raise ValueError(
-            f"mailbox.control is {tuple(control.shape)} {control.dtype}, expected ({CONTROL_WORDS},) int32"
+            f"mailbox.control is {tuple(control.shape)} {control.dtype}, "
+            f"expected ({CONTROL_WORDS},) int32"
         )
     if batch > mailbox.capacity:
         raise ValueError(

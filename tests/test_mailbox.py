@@ -61,7 +61,23 @@ def assert_armed(box, steps):
 
 
 def rows_of(cfg, batch, seed):
-    return (jax.random.normal(jax.random.key(seed), (batch, cfg.hidden)) * 2).astype(jnp.bfloat16)
+    rng = np.random.default_rng(seed)
+    return jnp.asarray((rng.normal(size=(batch, cfg.hidden)) * 2).astype(ml_dtypes.bfloat16))
+
+
+def weights_of(cfg, seed):
+    """Weights under the SPEC's keys (no shared expert), made by numpy: no JAX op to compile."""
+    rng = np.random.default_rng(seed)
+
+    def normal(rows, cols):
+        return jnp.asarray((rng.normal(size=(rows, cols)) / np.sqrt(cols)).astype(ml_dtypes.bfloat16))
+
+    bias = rng.uniform(-0.05, 0.05, cfg.experts).astype(np.float32)
+    return {
+        "gate.weight": normal(cfg.experts, cfg.hidden),
+        "gate.e_score_correction_bias": jnp.asarray(bias),
+        "routed_down_weight": normal(cfg.latent, cfg.hidden),
+    }
 
 
 def shards_with_negative_zeros(cfg, batch, seed):
@@ -81,7 +97,7 @@ def shards_with_negative_zeros(cfg, batch, seed):
 
 @pytest.fixture(scope="module")
 def small_params():
-    return mf.pack_params(mf.init_weights(jax.random.key(0), SMALL), SMALL)
+    return mf.pack_params(weights_of(SMALL, 0), SMALL)
 
 
 def test_layout_sizes():
@@ -144,7 +160,7 @@ def test_mailbox_output_equals_direct_over_steps(small_params):
 
 def test_kimi_k3_through_the_mailbox_equals_direct():
     cfg = mf.KIMI_K3
-    params = mf.pack_params(mf.init_weights(jax.random.key(1), cfg, shared=False), cfg)
+    params = mf.pack_params(weights_of(cfg, 1), cfg)
     box = mf.Mailbox.create(cfg, capacity=4)
     x = rows_of(cfg, 3, seed=3)
     want = jax.jit(mf.moe_front)(x, params)
@@ -185,7 +201,7 @@ def test_published_row_layout():
     """Columns [0, L) bf16 latent, [L, L + 2E) float32 logits, in the current generation only."""
     box = mf.Mailbox.create(SMALL, capacity=4)
     for _ in range(2):  # advance to generation 2
-        box = mb.collect(mb.publish(box, *shards_with_negative_zeros(SMALL, 4, 9), backend="xla"), 4, backend="xla")[3]
+        box = mb.exchange(box, *shards_with_negative_zeros(SMALL, 4, seed=9), backend="xla")[3]
     logits, latent = shards_with_negative_zeros(SMALL, 3, seed=1)
     box = mb.publish(box, logits, latent, backend="xla")
     buffer = np.asarray(box.buffer)
@@ -244,9 +260,10 @@ def test_one_rank_missing_times_out_and_both_ranks_complete_the_row():
 
 def test_exchange_over_eight_ranks_gathers_every_shard():
     tp, batch = TP8.tp, 5
-    weights = mf.init_weights(jax.random.key(2), TP8)
+    weights = weights_of(TP8, 2)
     x = rows_of(TP8, batch, seed=6)
-    shards = [reference.front_gemm(x, p.packed, p.split, TP8.experts_per_rank)
+    gemm = jax.jit(reference.front_gemm, static_argnums=(2, 3))
+    shards = [gemm(x, p.packed, p.split, TP8.experts_per_rank)
               for p in (mf.pack_params(weights, TP8, rank=r) for r in range(tp))]
     logits = jnp.stack([s[0] for s in shards])
     latent = jnp.stack([s[1] for s in shards])
@@ -298,7 +315,9 @@ def test_bad_mailbox_arguments_are_value_errors(small_params):
     x = rows_of(SMALL, 2, seed=0)
     with pytest.raises(ValueError, match="mailbox must be a Mailbox"):
         mf.moe_front(x, small_params, mailbox=np.zeros(3))
-    other = mf.Mailbox.create(mf.FrontConfig(hidden=64, experts=26, top_k=4, latent=36, shared=0, plan_block=2))
+    other = mf.Mailbox.create(
+        mf.FrontConfig(hidden=64, experts=26, top_k=4, latent=36, shared=0, plan_block=2)
+    )
     with pytest.raises(ValueError, match="mailbox was created for"):
         mf.moe_front(x, small_params, mailbox=other)
     box = mf.Mailbox.create(SMALL, capacity=4)
@@ -360,7 +379,8 @@ def test_triton_kernels_compile_for_h200_with_16_byte_volatile_loads():
         signature = {names[i]: t for i, t in enumerate(pointers)} | {k: "constexpr" for k in constants}
         aligned = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
         source = ASTSource(kernel, signature=signature, constexprs=constants, attrs=aligned)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=tm.NUM_WARPS))
+        target = GPUTarget("cuda", 90, 32)
+        compiled = triton.compile(source, target=target, options=dict(num_warps=tm.NUM_WARPS))
         ptx[kernel.__name__] = compiled.asm["ptx"]
     assert "ld.global.v4.b32" in ptx["mailbox_publish"]
     assert "st.global.v4.b32" in ptx["mailbox_publish"]
