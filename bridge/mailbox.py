@@ -389,8 +389,8 @@ def exchange(
       ``collect`` returns them.
 
     Raises:
-      ValueError: a wrong shape, dtype or mailbox, a batch over its capacity, or tp > 1 without
-        ``axis_name``.
+      ValueError: a wrong shape, dtype or mailbox, a batch over its capacity, tp > 1 without
+        ``axis_name``, or an ``axis_name`` whose size is not tp.
       NotImplementedError: ``axis_name`` with the GPU kernels (the cross-GPU publish arrives with the
         multi-GPU issue; use backend="xla").
     """
@@ -414,6 +414,11 @@ def exchange(
                 "the cross-GPU mailbox publish arrives with the multi-GPU issue; use backend='xla'"
             )
         _check_shard("latent_shard", latent_shard, batch, cfg.latent_per_rank, jnp.bfloat16)
+        if lax.axis_size(axis_name) != cfg.tp:
+            raise ValueError(
+                f"axis_name={axis_name!r} has {lax.axis_size(axis_name)} ranks, but the mailbox is "
+                f"for tp={cfg.tp}"
+            )
         every_logits = lax.all_gather(logits, axis_name)
         every_latent = lax.all_gather(latent_shard, axis_name)
         for rank in range(cfg.tp):
