@@ -59,11 +59,13 @@ def kernel_times(launch, iterations: int) -> list[list[tuple[str, float]]]:
 
 
 def summarize(calls: list[list[tuple[str, float]]]) -> dict:
-    """Median summed time per call (us) and each kernel's median (us), in launch order."""
+    """Median summed time per call (us), and per kernel name its median time per call (us), names in
+    order of first launch (a name missing from a call counts 0 there)."""
     totals = [sum(ms for _, ms in call) * 1e3 for call in calls]
+    names = list(dict.fromkeys(name for call in calls for name, _ in call))
     kernels = [
-        (name, statistics.median(call[k][1] for call in calls) * 1e3)
-        for k, (name, _) in enumerate(calls[0])
+        (name, statistics.median(sum(ms for n, ms in call if n == name) for call in calls) * 1e3)
+        for name in names
     ]
     return dict(us=statistics.median(totals), kernels=kernels)
 

@@ -38,7 +38,7 @@ def canonical_latent(latent):
 
 
 def assert_bits_equal(got, want):
-    got, want = np.asarray(got), np.asarray(want)
+    got, want = np.atleast_1d(np.asarray(got)), np.atleast_1d(np.asarray(want))
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
