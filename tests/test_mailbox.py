@@ -354,10 +354,13 @@ def test_lowered_program_aliases_the_mailbox(small_params):
     assert " copy(" not in entry, "the mailbox buffer is copied instead of updated in place"
 
 
-def test_triton_kernels_compile_for_h200_with_16_byte_volatile_loads():
+def test_triton_kernels_compile_for_h200_with_16_byte_volatile_loads(monkeypatch, tmp_path):
     """Triton alone (no jax-triton, no GPU) compiles both kernels for sm_90, with jax-triton's
     signature: pointers of the inputs, then of the outputs (the aliased ones again), then constexprs."""
     triton = pytest.importorskip("triton")
+    # Importing jax_triton (earlier tests on a GPU) sets TRITON_CACHE_DIR to "", where Triton's own
+    # compile cannot cache.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
