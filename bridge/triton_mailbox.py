@@ -36,7 +36,8 @@ BLOCK_CHUNKS = 256
 at B = 256, equal at B <= 64)."""
 NUM_WARPS = 4
 SPIN_LIMIT = 1 << 17
-"""Polls of a chunk block before the collect gives up and reports ``TIMEOUT`` (tens of ms)."""
+"""Polls of a chunk block before the collect gives up and reports ``TIMEOUT``: on the H200 a
+never-published collect returned after 54 ms at B = 1 and 174 ms at B = 256."""
 
 _SENTINEL = tl.constexpr(mb.SENTINEL)
 
