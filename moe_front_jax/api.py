@@ -110,15 +110,22 @@ def moe_front(
             f"params are one rank's shard of tp={cfg.tp}; call moe_front inside jax.shard_map with "
             "axis_name=..., or pass the output of shard_params"
         )
-    gemm = backends.stage("front_gemm", backend)
-    logits, latent = gemm(x, params.packed, params.split, cfg.experts_per_rank)
+    planned = None
+    if plan:
+        # The kernel writes the plan from the GEMM's epilogue: no second pass over the latent.
+        gemm = backends.stage("front_gemm_plan", backend)
+        logits, latent, planned = gemm(
+            x, params.packed, params.split, cfg.experts_per_rank, cfg.plan_block
+        )
+    else:
+        gemm = backends.stage("front_gemm", backend)
+        logits, latent = gemm(x, params.packed, params.split, cfg.experts_per_rank)
     ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
     shared = None
     if params.has_shared:
         shared = backends.stage("shared_expert", backend)(
             x, params.gate_up, params.down, cfg, jnp.bfloat16
         )
-    planned = backends.stage("plan", backend)(latent, cfg.plan_block) if plan else None
     return FrontOutput(ids, weights, latent, logits, shared, planned, jnp.zeros((), jnp.int32))
 
 
