@@ -61,7 +61,7 @@ def main() -> None:
     route = backends.stage("route", "auto")
     route_name = f"{route.func.__module__}" if hasattr(route, "func") else "xla reference"
     fronts = []
-    for batch in (1, 8, 16, 32, 64, 128, 256):
+    for batch in map(int, args.batches.split(",")):
         x = decode_rows(batch, shape.hidden)
 
         def front(x, w):

@@ -39,15 +39,16 @@ def divisors(n: int) -> list[int]:
 def candidates(shape: Shape, bp: int, cores: int = 132) -> list[fg.FrontGemmConfig]:
     """The schedules worth timing for one shape and padded batch.
 
-    Rows per program 16 (small batches), 32, 64, 128; for each, the smallest split-K that gives every SM a program and the
-    smallest that gives two; a K step of 128 or 256 (64 or 128 at large batches, whose x tile is
-    wide; 64 too at small batches, for more splits); the deepest pipeline that fits the shared memory, and one shallower; 4 warps for small
-    tiles, 8 for large ones.
+    Rows per program 32, 64, 128 (and 16 for small batches of the small shards); for each, the
+    smallest split-K that gives every SM a program and the smallest that gives two; a K step of 128
+    or 256 (64 too for the small shards, for finer splits; 64 or 128 at large batches, whose x tile
+    is wide); the deepest pipeline that fits the shared memory; 4 warps for small tiles, 8 for large.
     """
     out = []
-    for bn in ((16, 32, 64, 128) if bp <= 32 else (32, 64, 128)):
+    few_rows = shape.valid + shape.shard < 2 * cores * 16  # tp >= 2: split K finely
+    for bn in ((16, 32, 64, 128) if bp <= 32 and few_rows else (32, 64, 128)):
         tiles = -(-shape.valid // bn) + -(-shape.shard // bn)
-        for bk in ((64, 128, 256) if bp <= 64 else (64, 128)):
+        for bk in ((64, 128, 256) if few_rows else (128, 256)) if bp <= 64 else (64, 128):
             steps = shape.hidden // bk
             splits = [s for s in divisors(steps) if s <= 28 and steps // s >= 2]
             chosen = []
@@ -62,9 +63,8 @@ def candidates(shape: Shape, bp: int, cores: int = 132) -> list[fg.FrontGemmConf
             deepest = min(6, SMEM_BUDGET // per_stage)
             for s in chosen:
                 depth = min(deepest, shape.hidden // (s * bk))
-                for stages in sorted({depth, min(depth, 3)}):
-                    if stages >= 2:
-                        out.append(fg.FrontGemmConfig(bn, bk, s, warps, stages))
+                if depth >= 2:
+                    out.append(fg.FrontGemmConfig(bn, bk, s, warps, depth))
     return out
 
 

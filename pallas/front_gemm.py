@@ -230,12 +230,14 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     batch_mask = batch_ok if g.batch < bp else None
     k_first = part * g.k_chunk
 
-    def masked_load(ref, mask):
-        return plgpu.load(ref, mask=mask, other=None if mask is None else 0.0)
+    def masked_load(ref, mask, eviction_policy=None):
+        other = None if mask is None else 0.0
+        return plgpu.load(ref, mask=mask, other=other, eviction_policy=eviction_policy)
 
     def step(i, acc):
         k = pl.multiple_of(k_first + i * bk, bk)
-        w = masked_load(w_ref.at[pl.ds(first_row, bn), pl.ds(k, bk)], rows_mask)
+        # The weight is read once per call: first out of L2, so x and the partials stay.
+        w = masked_load(w_ref.at[pl.ds(first_row, bn), pl.ds(k, bk)], rows_mask, "evict_first")
         xs = masked_load(x_ref.at[pl.ds(0, bp), pl.ds(k, bk)], batch_mask)
         return acc + lax.dot_general(
             w, xs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
