@@ -205,6 +205,16 @@ def _scale_exponent(amax_bits: jax.Array) -> jax.Array:
     return jnp.where(exponent == 0xFF, 254, biased)
 
 
+SCALE_DTYPE = jnp.float8_e8m0fnu
+"""Dtype the kernel stores the E8M0 scales as."""
+
+
+def _scale_bytes(exponent: jax.Array) -> jax.Array:
+    """int32 biased exponents -> the scale tensor as the kernel stores it."""
+    byte = exponent.astype(jnp.uint8)
+    return byte if SCALE_DTYPE == jnp.uint8 else lax.bitcast_convert_type(byte, SCALE_DTYPE)
+
+
 def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     g, cfg = geometry, geometry.config
     split_k, plan = cfg.split_k, g.block is not None
@@ -270,13 +280,13 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
         # Selects rather than min/max: Triton's float min/max drop NaN, the reference keeps it.
         top = reference.E4M3_MAX
         scaled = jnp.where(scaled > top, top, jnp.where(scaled < -top, -top, scaled))
-        values = scaled.reshape(bn, bp).astype(jnp.float8_e4m3fn)
-        plgpu.store(values_ref.at[pl.ds(0, bp), pl.ds(column, bn)], values.T, mask=out_ok)
-        scales = lax.bitcast_convert_type(exponent.astype(jnp.uint8), jnp.float8_e8m0fnu)
-        block_ok = batch_ok & (lax.broadcasted_iota(jnp.int32, (1, nb), 1) < (g.rows - g.split - column) // g.block)
-        plgpu.store(
-            scales_ref.at[pl.ds(0, bp), pl.ds(column // g.block, nb)], scales.T, mask=block_ok
-        )
+        # Transpose in 32 bits and narrow last: 8-bit layout conversions are Triton's rough edge.
+        values = scaled.reshape(bn, bp).T.astype(jnp.float8_e4m3fn)
+        plgpu.store(values_ref.at[pl.ds(0, bp), pl.ds(column, bn)], values, mask=out_ok)
+        scales = _scale_bytes(exponent.T)
+        blocks_left = (g.shard - column) // g.block
+        block_ok = batch_ok & (lax.broadcasted_iota(jnp.int32, (1, nb), 1) < blocks_left)
+        plgpu.store(scales_ref.at[pl.ds(0, bp), pl.ds(column // g.block, nb)], scales, mask=block_ok)
 
     if split_k == 1:
         epilogue(acc)
@@ -362,7 +372,7 @@ def _call(x, packed, split, valid, block, interpret, config):
     if block is not None:
         out_shape += [
             jax.ShapeDtypeStruct((batch, g.shard), jnp.float8_e4m3fn),
-            jax.ShapeDtypeStruct((batch, g.shard // block), jnp.float8_e8m0fnu),
+            jax.ShapeDtypeStruct((batch, g.shard // block), SCALE_DTYPE),
         ]
     args, aliases = [x, packed], {}
     if config.split_k > 1:
@@ -451,4 +461,6 @@ def front_gemm_plan(
         two or does not divide the latent shard.
     """
     logits, latent, values, scales, *_ = _call(x, packed, split, valid, block, interpret, config)
+    if scales.dtype != jnp.float8_e8m0fnu:
+        scales = lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)
     return logits, latent, (values, scales)
