@@ -209,6 +209,24 @@ SCALE_DTYPE = jnp.float8_e8m0fnu
 """Dtype the kernel stores the E8M0 scales as."""
 
 
+def lower_e8m0_as_bytes() -> None:
+    """Have Pallas' Triton lowering treat float8_e8m0fnu as its bytes (i8)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering
+
+    original = lowering._dtype_to_ir_type
+    if getattr(original, "e8m0_as_bytes", False):
+        return
+
+    def dtype_to_ir_type(dtype):
+        if jnp.dtype(dtype) == jnp.float8_e8m0fnu:
+            return ir.IntegerType.get_signless(8)
+        return original(dtype)
+
+    dtype_to_ir_type.e8m0_as_bytes = True
+    lowering._dtype_to_ir_type = dtype_to_ir_type
+
+
 def _scale_bytes(exponent: jax.Array) -> jax.Array:
     """int32 biased exponents -> the scale tensor as the kernel stores it."""
     byte = exponent.astype(jnp.uint8)
