@@ -13,6 +13,7 @@ go to $OUT/bench_front_gemm.json.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import time
@@ -34,21 +35,34 @@ def main() -> None:
     args = parser.parse_args()
     device = jax.devices()[0]
     print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)
+    tps, batches = list(map(int, args.tps.split(","))), list(map(int, args.batches.split(",")))
+    shapes = {tp: Shape.k3(tp) for tp in tps}
+    weights = {tp: packed_weights(shape) for tp, shape in shapes.items()}
+    xs = {batch: decode_rows(batch, 7168) for batch in batches}
+    variants = {
+        "us": lambda s: lambda x, w: fg.front_gemm(x, w, s.split, s.valid),
+        "plan_us": lambda s: lambda x, w: fg.front_gemm_plan(x, w, s.split, s.valid),
+        "xla_dot_us": lambda s: xla_dot,
+        "xla_stage_us": lambda s: lambda x, w: reference.front_gemm(x, w, s.split, s.valid),
+    }
+    keys = [(tp, batch, name) for tp in tps for batch in batches for name in variants]
+
+    def compile_one(key):
+        tp, batch, name = key
+        fn = jax.jit(variants[name](shapes[tp]))
+        return fn.lower(xs[batch], weights[tp][0]).compile()
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        compiled = dict(zip(keys, pool.map(compile_one, keys)))
     rows = []
-    for tp in map(int, args.tps.split(",")):
-        shape = Shape.k3(tp)
-        weights = packed_weights(shape)
-        for batch in map(int, args.batches.split(",")):
-            x = decode_rows(batch, shape.hidden)
-            kernel = jax.jit(lambda x, w: fg.front_gemm(x, w, shape.split, shape.valid))
-            planned = jax.jit(lambda x, w: fg.front_gemm_plan(x, w, shape.split, shape.valid))
-            xla_stage = jax.jit(lambda x, w: reference.front_gemm(x, w, shape.split, shape.valid))
+    for tp in tps:
+        shape = shapes[tp]
+        for batch in batches:
             row = dict(tp=tp, batch=batch, floor_us=shape.floor_us(),
                        config=str(fg.pick_config(shape.valid, shape.shard, shape.hidden, batch)))
-            row["us"], row["kernels"] = cupti_us_per_call(kernel, x, weights)
-            row["plan_us"], row["plan_kernels"] = cupti_us_per_call(planned, x, weights)
-            row["xla_dot_us"], _ = cupti_us_per_call(jax.jit(xla_dot), x, weights)
-            row["xla_stage_us"], _ = cupti_us_per_call(xla_stage, x, weights)
+            for name in variants:
+                row[name], kernels = cupti_us_per_call(compiled[tp, batch, name], xs[batch], weights[tp])
+                row[name.replace("us", "kernels")] = kernels
             row["tbs"] = tbs(shape.weight_bytes, row["us"])
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -56,13 +70,13 @@ def main() -> None:
     # The whole front at tp1: GEMM + routing (the routing kernel where one is registered).
     cfg = mf.KIMI_K3
     shape = Shape.k3(1)
-    weights = packed_weights(shape)
+    weights = weights.get(1) or packed_weights(shape)
     bias = jax.random.uniform(jax.random.key(3), (cfg.experts,), jnp.float32, -0.05, 0.05)
     route = backends.stage("route", "auto")
     route_name = f"{route.func.__module__}" if hasattr(route, "func") else "xla reference"
     fronts = []
-    for batch in map(int, args.batches.split(",")):
-        x = decode_rows(batch, shape.hidden)
+    for batch in batches:
+        x = xs[batch]
 
         def front(x, w):
             logits, latent = fg.front_gemm(x, w, shape.split, shape.valid)

@@ -69,16 +69,39 @@ def candidates(shape: Shape, bp: int, cores: int = 132) -> list[fg.FrontGemmConf
 
 
 def check(got_logits, got_latent, ref) -> str | None:
-    """None when the kernel's outputs match XLA's float32 product closely, else what differs."""
+    """None when the kernel's outputs match XLA's float32 product closely, else what differs.
+
+    Relative to the row's largest value: both sides accumulate in float32 in different orders.
+    """
     y = np.asarray(ref, np.float64)
     logits = np.asarray(got_logits, np.float64)
     latent = np.asarray(got_latent.astype(jnp.float32), np.float64)
     scale = np.abs(y).max(axis=1, keepdims=True) + 1e-30
     err_l = (np.abs(logits - y[:, :logits.shape[1]]) / scale).max()
     err_t = (np.abs(latent - y[:, -latent.shape[1]:]) / scale).max()
-    if err_l > 1e-5 or err_t > 2 ** -7:
+    if err_l > 3e-5 or err_t > 2 ** -7:
         return f"mismatch: logits {err_l:.2e}, latent {err_t:.2e} of the row's max"
     return None
+
+
+def ranked(results: list[dict], tp: int, bp: int) -> list[fg.FrontGemmConfig]:
+    """The schedules measured for (tp, bp), fastest first."""
+    rows = sorted((r for r in results if r["tp"] == tp and r["batch"] == bp and "us" in r
+                   and not r.get("plan")), key=lambda r: r["us"])
+    return [fg.FrontGemmConfig(**r["config"]) for r in rows]
+
+
+def neighbours(ranked_configs: list[fg.FrontGemmConfig], bp: int) -> list[fg.FrontGemmConfig]:
+    """The two fastest schedules of an earlier run, and the fastest with the other warp count and
+    with a two-stage deeper pipeline (where shared memory allows)."""
+    out = ranked_configs[:2]
+    if out:
+        best = out[0]
+        out.append(dataclasses.replace(best, num_warps=12 - best.num_warps))
+        deeper = best.num_stages + 2
+        if 2 * best.block_k * (best.block_rows + bp) * deeper <= SMEM_BUDGET:
+            out.append(dataclasses.replace(best, num_stages=deeper))
+    return list(dict.fromkeys(out))
 
 
 def main() -> None:
@@ -87,6 +110,10 @@ def main() -> None:
     parser.add_argument("--table", default=None, help="write the table here")
     parser.add_argument("--tps", default="1,2,4,8")
     parser.add_argument("--batches", default="16,32,64,128,256")
+    parser.add_argument("--refine", default=None,
+                        help="an earlier run's tune_front_gemm.json: time its best schedules per key "
+                             "and their neighbours (and the plan over its four best) instead "
+                             "of the sweep")
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--workers", type=int, default=12)
     args = parser.parse_args()
@@ -96,17 +123,20 @@ def main() -> None:
     print("device", kind, "cores", getattr(device, "core_count", None), flush=True)
 
     shapes = {tp: Shape.k3(tp) for tp in map(int, args.tps.split(","))}
+    batches = list(map(int, args.batches.split(",")))
+    previous = json.load(open(args.refine))["results"] if args.refine else None
     per_key = [
-        [(tp, bp, cfg) for cfg in candidates(shape, bp)]
+        [(tp, bp, cfg) for cfg in (neighbours(ranked(previous, tp, bp), bp) if previous
+                                   else candidates(shape, bp))]
         for tp, shape in shapes.items()
-        for bp in map(int, args.batches.split(","))
+        for bp in batches
     ]
     # Round robin over (tp, batch), so that a run cut short by its budget covers every key.
     jobs = [lst[i] for i in range(max(map(len, per_key))) for lst in per_key if i < len(lst)]
     print(f"{len(jobs)} variants", flush=True)
 
     weights = {tp: packed_weights(shape) for tp, shape in shapes.items()}
-    xs = {bp: decode_rows(bp, 7168) for bp in map(int, args.batches.split(","))}
+    xs = {bp: decode_rows(bp, 7168) for bp in batches}
     xla = {}
     for tp, shape in shapes.items():
         for bp, x in xs.items():
@@ -115,93 +145,70 @@ def main() -> None:
             xla[(tp, bp)] = dict(us=us, ref=f(x, weights[tp][0]))
             print(f"xla tp{tp} B{bp}: {us:.2f} us", flush=True)
 
-    def compile_one(job):
+    def compile_one(job, plan=False):
         tp, bp, cfg = job
         shape = shapes[tp]
-        fn = jax.jit(lambda x, w, cfg=cfg: fg.front_gemm(x, w, shape.split, shape.valid, config=cfg))
+        gemm = fg.front_gemm_plan if plan else fg.front_gemm
+        fn = jax.jit(lambda x, w: gemm(x, w, shape.split, shape.valid, config=cfg))
         return fn.lower(xs[bp], weights[tp][0]).compile()
 
-    results = []
-    deadline = start + args.budget_s
-    with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
-        futures = [(job, pool.submit(compile_one, job)) for job in jobs]
-        for job, future in futures:
-            tp, bp, cfg = job
-            row = dict(tp=tp, batch=bp, config=dataclasses.asdict(cfg))
-            if time.time() > deadline:
-                future.cancel()
-                row["error"] = "skipped: time budget"
+    def measure(jobs, plan):
+        results = []
+        deadline = time.time() + args.budget_s
+        with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
+            futures = [(job, pool.submit(compile_one, job, plan)) for job in jobs]
+            for job, future in futures:
+                tp, bp, cfg = job
+                row = dict(tp=tp, batch=bp, plan=plan, config=dataclasses.asdict(cfg))
+                if time.time() > deadline:
+                    future.cancel()
+                    row["error"] = "skipped: time budget"
+                    results.append(row)
+                    continue
+                try:
+                    fn = future.result()
+                    out = fn(xs[bp], weights[tp][0])
+                    bad = check(out[0], out[1], xla[(tp, bp)]["ref"])
+                    if plan and not bad:
+                        want = jax.jit(reference.mxfp8_plan)(out[1])
+                        if not all((np.asarray(a).view(np.uint8) == np.asarray(b).view(np.uint8)).all()
+                                   for a, b in zip(out[2], want)):
+                            bad = "plan differs from reference.mxfp8_plan of the latent"
+                    if bad:
+                        row["error"] = bad
+                    else:
+                        us, kernels = cupti_us_per_call(fn, xs[bp], weights[tp])
+                        row.update(us=us, kernels=kernels, tbs=tbs(shapes[tp].weight_bytes, us))
+                except Exception as e:  # a variant that fails is recorded, not fatal
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    traceback.print_exc(limit=1)
                 results.append(row)
-                continue
-            try:
-                fn = future.result()
-                logits, latent = fn(xs[bp], weights[tp][0])
-                bad = check(logits, latent, xla[(tp, bp)]["ref"])
-                if bad:
-                    row["error"] = bad
-                else:
-                    us, kernels = cupti_us_per_call(fn, xs[bp], weights[tp])
-                    row.update(us=us, kernels=kernels, tbs=tbs(shapes[tp].weight_bytes, us))
-            except Exception as e:  # a variant that fails to compile or run is recorded, not fatal
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                traceback.print_exc(limit=1)
-            results.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+        return results
 
-    best = {}
-    for row in results:
-        if "us" in row:
+    def fastest(results):
+        best = {}
+        for row in results:
             key = (row["tp"], row["batch"])
-            if key not in best or row["us"] < best[key]["us"]:
+            if "us" in row and (key not in best or row["us"] < best[key]["us"]):
                 best[key] = row
-    # Probe how the E8M0 scales can be stored (native type, bytes + XLA bitcast, bytes in lowering).
-    probes = {}
-    if best:
-        (tp, bp), row = min(best.items())
-        shape, cfg = shapes[tp], fg.FrontGemmConfig(**row["config"])
-        for mode in ("native", "bytes-xla", "bytes-lowering"):
-            fg.SCALE_DTYPE = jnp.uint8 if mode == "bytes-xla" else jnp.float8_e8m0fnu
-            if mode == "bytes-lowering":
-                fg.lower_e8m0_as_bytes()
-            try:
-                fn = jax.jit(lambda x, w, cfg=cfg, shape=shape: fg.front_gemm_plan(
-                    x, w, shape.split, shape.valid, config=cfg))
-                _, latent, plan = fn(xs[bp], weights[tp][0])
-                want = jax.jit(reference.mxfp8_plan)(latent)
-                exact = all(bool((np.asarray(a).view(np.uint8) == np.asarray(b).view(np.uint8)).all())
-                            for a, b in zip(plan, want))
-                us, kernels = cupti_us_per_call(fn, xs[bp], weights[tp])
-                probes[mode] = dict(ok=True, exact=exact, us=us, kernels=kernels)
-            except Exception as e:
-                probes[mode] = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:800]}")
-            print(f"scale store {mode}: {probes[mode]}", flush=True)
-        usable = [m for m in ("native", "bytes-lowering", "bytes-xla") if probes[m].get("ok")]
-        mode = min(usable, key=lambda m: probes[m]["us"]) if usable else "native"
-        fg.SCALE_DTYPE = jnp.uint8 if mode == "bytes-xla" else jnp.float8_e8m0fnu
-        print("scale store chosen:", mode, flush=True)
-    # The plan from the same epilogue, at each winner: its cost over the plain GEMM.
-    for (tp, bp), row in sorted(best.items()):
-        shape, cfg = shapes[tp], fg.FrontGemmConfig(**row["config"])
-        for attempt in range(1):
-            try:
-                fn = jax.jit(lambda x, w, cfg=cfg, shape=shape: fg.front_gemm_plan(
-                    x, w, shape.split, shape.valid, config=cfg))
-                logits, latent, (values, scales) = fn(xs[bp], weights[tp][0])
-                ref_values, ref_scales = jax.jit(reference.mxfp8_plan)(latent)
-                exact = bool(
-                    (np.asarray(values).view(np.uint8) == np.asarray(ref_values).view(np.uint8)).all()
-                    and (np.asarray(scales).view(np.uint8) == np.asarray(ref_scales).view(np.uint8)).all())
-                us, kernels = cupti_us_per_call(fn, xs[bp], weights[tp])
-                row["plan"] = dict(us=us, bit_exact=exact, kernels=kernels,
-                                   scale_store=str(jnp.dtype(fg.SCALE_DTYPE)))
-                break
-            except Exception as e:
-                row["plan"] = dict(error=f"{type(e).__name__}: {str(e)[:600]}",
-                                   scale_store=str(jnp.dtype(fg.SCALE_DTYPE)))
-        print(f"plan tp{tp} B{bp}: {row['plan']}", flush=True)
+        return best
+
+    results = measure(jobs, plan=False)
+    best = fastest(results)
+    # The plan epilogue changes the kernel's registers and tail: its schedule is tuned apart, over
+    # the four fastest plain schedules of each key.
+    plan_jobs = []
+    for tp, bp in best:
+        configs = ranked(previous or results, tp, bp)[:4]
+        configs = [dataclasses.replace(c, block_rows=max(c.block_rows, 32)) for c in configs]
+        plan_jobs += [(tp, bp, c) for c in dict.fromkeys(configs)]
+    plan_results = measure(plan_jobs, plan=True)
+    plan_best = fastest(plan_results)
+
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune_front_gemm.json"), "w") as f:
-        json.dump(dict(device=kind, results=results, scale_store=probes,
+        json.dump(dict(device=kind, results=results + plan_results,
                        xla={f"tp{t},B{b}": v["us"] for (t, b), v in xla.items()}), f, indent=1)
     entries = {}
     for (tp, bp), row in sorted(best.items()):
@@ -209,10 +216,14 @@ def main() -> None:
         key = fg.table_key(shape.valid, shape.shard, shape.hidden, bp)
         entries[key] = dict(tp=tp, config=row["config"], us=round(row["us"], 3),
                             xla_us=round(xla[(tp, bp)]["us"], 3))
+        if (tp, bp) in plan_best:
+            entries[key].update(plan_config=plan_best[(tp, bp)]["config"],
+                                plan_us=round(plan_best[(tp, bp)]["us"], 3))
     table = dict(
         device_kind=kind,
         generated=time.strftime("%Y-%m-%d"),
-        command="python benchmarks/tune_front_gemm.py --table " + str(args.table),
+        command="python benchmarks/tune_front_gemm.py --table pallas/tuning/h200_front_gemm.json"
+                + (" --refine <an earlier run's tune_front_gemm.json>" if previous else ""),
         entries=entries,
     )
     for path in filter(None, [args.table, os.path.join(args.out, os.path.basename(
@@ -220,18 +231,21 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(table, f, indent=1)
             f.write("\n")
-    print(f"\n{'tp':>3} {'B':>4} {'kernel us':>10} {'TB/s':>6} {'xla us':>8} {'ratio':>6} "
-          f"{'plan us':>8}  config")
+    print(f"\n{'tp':>3} {'B':>4} {'kernel us':>10} {'TB/s':>6} {'xla us':>8} {'xla/k':>6} "
+          f"{'plan us':>8}  config | plan config")
     for (tp, bp), row in sorted(best.items()):
         x_us = xla[(tp, bp)]["us"]
         c = row["config"]
-        plan = row.get("plan", {})
-        plan_us = f"{plan['us']:.2f}{'' if plan.get('bit_exact') else '!'}" if "us" in plan else "err"
+        p = plan_best.get((tp, bp))
+        pc = p["config"] if p else {}
         print(f"{tp:>3} {bp:>4} {row['us']:>10.2f} {row['tbs']:>6.2f} {x_us:>8.2f} "
-              f"{x_us / row['us']:>6.2f} {plan_us:>8}  bn{c['block_rows']} bk{c['block_k']} "
-              f"s{c['split_k']} w{c['num_warps']} st{c['num_stages']}")
-    failed = sum("error" in r for r in results)
-    print(f"{len(results)} variants, {failed} failed or skipped, {time.time() - start:.0f} s")
+              f"{x_us / row['us']:>6.2f} {p['us'] if p else float('nan'):>8.2f}  "
+              f"bn{c['block_rows']} bk{c['block_k']} s{c['split_k']} w{c['num_warps']} "
+              f"st{c['num_stages']} | bn{pc.get('block_rows')} bk{pc.get('block_k')} "
+              f"s{pc.get('split_k')} w{pc.get('num_warps')} st{pc.get('num_stages')}")
+    failed = sum("error" in r for r in results + plan_results)
+    print(f"{len(results) + len(plan_results)} variants, {failed} failed or skipped, "
+          f"{time.time() - start:.0f} s")
     sys.stdout.flush()
 
 

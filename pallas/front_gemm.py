@@ -116,13 +116,21 @@ def table_key(valid: int, shard: int, hidden: int, batch: int) -> str:
 
 
 @functools.cache
-def load_table(kind: str) -> dict[str, FrontGemmConfig]:
-    """The tuning table of device ``kind`` (empty where there is none)."""
+def load_table(kind: str) -> dict[tuple[str, bool], FrontGemmConfig]:
+    """The tuning table of device ``kind``: ``(key, plan) -> config`` (empty where there is none).
+
+    Each entry has the schedule of the plain GEMM (``config``) and the one of the GEMM with the plan
+    epilogue (``plan_config``), tuned separately.
+    """
     name = TABLE_FILES.get(kind)
     if name is None:
         return {}
     text = resources.files("moe_front_jax.pallas").joinpath("tuning", name).read_text()
-    return {key: FrontGemmConfig(**entry["config"]) for key, entry in json.loads(text)["entries"].items()}
+    table = {}
+    for key, entry in json.loads(text)["entries"].items():
+        table[key, False] = FrontGemmConfig(**entry["config"])
+        table[key, True] = FrontGemmConfig(**entry.get("plan_config", entry["config"]))
+    return table
 
 
 def heuristic_config(valid: int, shard: int, hidden: int, batch: int, cores: int) -> FrontGemmConfig:
@@ -145,10 +153,13 @@ def heuristic_config(valid: int, shard: int, hidden: int, batch: int, cores: int
     return FrontGemmConfig(block_rows, block_k, split_k, num_warps, num_stages)
 
 
-def pick_config(valid: int, shard: int, hidden: int, batch: int) -> FrontGemmConfig:
-    """The table's entry for this shape on the target device, else ``heuristic_config``."""
+def pick_config(
+    valid: int, shard: int, hidden: int, batch: int, plan: bool = False
+) -> FrontGemmConfig:
+    """The table's entry for this shape (with or without the plan epilogue) on the target device,
+    else ``heuristic_config``."""
     kind = device_kind()
-    found = load_table(kind).get(table_key(valid, shard, hidden, batch))
+    found = load_table(kind).get((table_key(valid, shard, hidden, batch), plan))
     if found is not None:
         return found
     cores = getattr(jax.devices()[0], "core_count", None) or 132
@@ -205,34 +216,6 @@ def _scale_exponent(amax_bits: jax.Array) -> jax.Array:
     return jnp.where(exponent == 0xFF, 254, biased)
 
 
-SCALE_DTYPE = jnp.float8_e8m0fnu
-"""Dtype the kernel stores the E8M0 scales as."""
-
-
-def lower_e8m0_as_bytes() -> None:
-    """Have Pallas' Triton lowering treat float8_e8m0fnu as its bytes (i8)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.pallas.triton import lowering
-
-    original = lowering._dtype_to_ir_type
-    if getattr(original, "e8m0_as_bytes", False):
-        return
-
-    def dtype_to_ir_type(dtype):
-        if jnp.dtype(dtype) == jnp.float8_e8m0fnu:
-            return ir.IntegerType.get_signless(8)
-        return original(dtype)
-
-    dtype_to_ir_type.e8m0_as_bytes = True
-    lowering._dtype_to_ir_type = dtype_to_ir_type
-
-
-def _scale_bytes(exponent: jax.Array) -> jax.Array:
-    """int32 biased exponents -> the scale tensor as the kernel stores it."""
-    byte = exponent.astype(jnp.uint8)
-    return byte if SCALE_DTYPE == jnp.uint8 else lax.bitcast_convert_type(byte, SCALE_DTYPE)
-
-
 def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     g, cfg = geometry, geometry.config
     split_k, plan = cfg.split_k, g.block is not None
@@ -283,28 +266,31 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
         @pl.when(is_latent)
         def _():
             column = first_row - g.split
-            latent = y.astype(jnp.bfloat16)
-            plgpu.store(latent_ref.at[pl.ds(0, bp), pl.ds(column, bn)], latent.T, mask=out_ok)
+            latent = y.T.astype(jnp.bfloat16)  # [batch_tile, block_rows], as stored
+            plgpu.store(latent_ref.at[pl.ds(0, bp), pl.ds(column, bn)], latent, mask=out_ok)
             if plan:
                 _plan_epilogue(latent, column, out_ok)
 
     def _plan_epilogue(latent, column, out_ok):
         nb = bn // g.block
-        blocks = latent.astype(jnp.float32).reshape(nb, g.block, bp)
+        # Blocks along the minor axis: each is a run of one row's registers, no layout shuffle.
+        blocks = latent.astype(jnp.float32).reshape(bp, nb, g.block)
         magnitude = lax.bitcast_convert_type(blocks, jnp.int32) & 0x7FFFFFFF
         # Integer max of |v|'s bits: float order for numbers, and NaN above infinity as in XLA.
-        exponent = _scale_exponent(jnp.max(magnitude, axis=1))  # [nb, batch_tile]
-        scaled = reference.e8m0_scale_down(blocks, exponent[:, None, :])
+        exponent = _scale_exponent(jnp.max(magnitude, axis=2))  # [batch_tile, nb]
+        scaled = reference.e8m0_scale_down(blocks, exponent[:, :, None])
         # Selects rather than min/max: Triton's float min/max drop NaN, the reference keeps it.
         top = reference.E4M3_MAX
         scaled = jnp.where(scaled > top, top, jnp.where(scaled < -top, -top, scaled))
-        # Transpose in 32 bits and narrow last: 8-bit layout conversions are Triton's rough edge.
-        values = scaled.reshape(bn, bp).T.astype(jnp.float8_e4m3fn)
+        values = scaled.reshape(bp, bn).astype(jnp.float8_e4m3fn)
         plgpu.store(values_ref.at[pl.ds(0, bp), pl.ds(column, bn)], values, mask=out_ok)
-        scales = _scale_bytes(exponent.T)
         blocks_left = (g.shard - column) // g.block
         block_ok = batch_ok & (lax.broadcasted_iota(jnp.int32, (1, nb), 1) < blocks_left)
-        plgpu.store(scales_ref.at[pl.ds(0, bp), pl.ds(column // g.block, nb)], scales, mask=block_ok)
+        plgpu.store(
+            scales_ref.at[pl.ds(0, bp), pl.ds(column // g.block, nb)],
+            exponent.astype(jnp.uint8),
+            mask=block_ok,
+        )
 
     if split_k == 1:
         epilogue(acc)
@@ -364,7 +350,7 @@ def _check(x, packed, split, valid, block) -> None:
 
 
 def _resolve(config, valid, shard, hidden, batch, block) -> FrontGemmConfig:
-    config = config or pick_config(valid, shard, hidden, batch)
+    config = config or pick_config(valid, shard, hidden, batch, plan=block is not None)
     if not isinstance(config, FrontGemmConfig):
         raise ValueError(f"config must be a FrontGemmConfig or None, got {type(config).__name__}")
     if hidden % (config.split_k * config.block_k):
@@ -390,7 +376,8 @@ def _call(x, packed, split, valid, block, interpret, config):
     if block is not None:
         out_shape += [
             jax.ShapeDtypeStruct((batch, g.shard), jnp.float8_e4m3fn),
-            jax.ShapeDtypeStruct((batch, g.shard // block), SCALE_DTYPE),
+            # Bytes: Triton has no E8M0 type. XLA reinterprets them in place (no kernel).
+            jax.ShapeDtypeStruct((batch, g.shard // block), jnp.uint8),
         ]
     args, aliases = [x, packed], {}
     if config.split_k > 1:
@@ -479,6 +466,4 @@ def front_gemm_plan(
         two or does not divide the latent shard.
     """
     logits, latent, values, scales, *_ = _call(x, packed, split, valid, block, interpret, config)
-    if scales.dtype != jnp.float8_e8m0fnu:
-        scales = lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)
-    return logits, latent, (values, scales)
+    return logits, latent, (values, lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu))

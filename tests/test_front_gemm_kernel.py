@@ -181,11 +181,14 @@ def test_table_covers_the_k3_shapes_and_is_used_on_h200():
         valid, _, shard = k3_shape(tp)
         for batch in (16, 32, 64, 128, 256):
             entry = table["entries"][fg.table_key(valid, shard, K3.hidden, batch)]
-            cfg = Cfg(**entry["config"])
-            assert K3.hidden % (cfg.split_k * cfg.block_k) == 0
+            cfg, plan_cfg = Cfg(**entry["config"]), Cfg(**entry["plan_config"])
+            for c in (cfg, plan_cfg):
+                assert K3.hidden % (c.split_k * c.block_k) == 0
+            assert plan_cfg.block_rows >= K3.plan_block
             mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
             with jax.sharding.use_abstract_mesh(mesh):
                 assert fg.pick_config(valid, shard, K3.hidden, batch) == cfg
+                assert fg.pick_config(valid, shard, K3.hidden, batch, plan=True) == plan_cfg
                 # Batches share the entry of their padded size.
                 assert fg.pick_config(valid, shard, K3.hidden, batch // 2 + 1) == cfg
 
