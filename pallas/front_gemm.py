@@ -119,8 +119,8 @@ def table_key(valid: int, shard: int, hidden: int, batch: int) -> str:
 def load_table(kind: str) -> dict[tuple[str, bool], FrontGemmConfig]:
     """The tuning table of device ``kind``: ``(key, plan) -> config`` (empty where there is none).
 
-    Each entry has the schedule of the plain GEMM (``config``) and the one of the GEMM with the plan
-    epilogue (``plan_config``), tuned separately.
+    Each entry has the schedule of the plain GEMM (``config``) and, where the tuner timed the plan
+    epilogue apart, the schedule of the GEMM with the plan (``plan_config``; else ``config``).
     """
     name = TABLE_FILES.get(kind)
     if name is None:
