@@ -6,8 +6,9 @@ shared expert beside it; an MXFP8 copy of the latent for the routed experts. See
 contract and README.md for usage.
 """
 
-from moe_front_jax import reference
+from moe_front_jax import nn, reference
 from moe_front_jax.api import FrontOutput, moe_front, route
+from moe_front_jax.checkpoint import load_params, load_weights
 from moe_front_jax.config import KIMI_K3, FrontConfig
 from moe_front_jax.params import FrontParams, init_weights, pack_params
 
@@ -17,7 +18,10 @@ __all__ = [
     "FrontOutput",
     "FrontParams",
     "init_weights",
+    "load_params",
+    "load_weights",
     "moe_front",
+    "nn",
     "pack_params",
     "reference",
     "route",
