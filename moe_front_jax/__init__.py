@@ -10,6 +10,7 @@ from moe_front_jax import reference
 from moe_front_jax.api import FrontOutput, moe_front, route
 from moe_front_jax.config import KIMI_K3, FrontConfig
 from moe_front_jax.params import FrontParams, init_weights, pack_params
+from moe_front_jax.parallel import shard_params
 
 __all__ = [
     "KIMI_K3",
@@ -21,4 +22,5 @@ __all__ = [
     "pack_params",
     "reference",
     "route",
+    "shard_params",
 ]

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_front_jax import backends
+from moe_front_jax import backends, parallel
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import FrontParams
 
@@ -77,22 +77,30 @@ def moe_front(
     *,
     plan: bool = False,
     backend: str = "auto",
+    axis_name: str | None = None,
+    shared_reduce: str = "psum",
 ) -> FrontOutput:
     """The MoE front of one decode step: front GEMM, exact top-k routing, latent, shared expert.
 
     Args:
       x: ``[B, H]`` bfloat16 decode rows, ``B >= 1``.
-      params: ``FrontParams`` from ``pack_params``.
+      params: ``FrontParams`` from ``pack_params``, or from ``shard_params`` (then the call runs under
+        ``jax.shard_map`` over the params' mesh), or one rank's params with ``axis_name``.
       plan: also return the MXFP8 copy of the latent (``FrontOutput.plan``).
       backend: ``"auto"`` (Pallas kernels on a GPU, the XLA reference elsewhere), ``"xla"``,
         ``"pallas"`` or ``"interpret"`` (the Pallas kernels in interpret mode).
+      axis_name: inside the caller's own ``jax.shard_map``: the mesh axis of the ``params.cfg.tp``
+        ranks, ``params`` being this rank's (with Pallas kernels that ``shard_map`` needs
+        ``check_vma=False``). See ``moe_front_jax.parallel``.
+      shared_reduce: how the ranks' shared-expert partial sums are reduced: ``"psum"`` (``shared``
+        ``[B, H]`` on every rank) or ``"psum_scatter"`` (each rank's ``H/tp`` hidden columns).
 
     Returns:
       ``FrontOutput(ids, weights, latent, logits, shared, plan, status)``.
 
     Raises:
-      ValueError: at trace time, for a wrong shape or dtype of ``x`` or ``params``, an empty batch or
-        an unknown backend.
+      ValueError: at trace time, for a wrong shape or dtype of ``x`` or ``params``, an empty batch,
+        an unknown backend or shared_reduce, or an ``axis_name`` that disagrees with the params.
 
     Example::
 
@@ -102,9 +110,17 @@ def moe_front(
       out.ids, out.weights                         # [B, 16] int32, [B, 16] bfloat16
     """
     backends.check_backend(backend)
+    parallel.check_shared_reduce(shared_reduce)
+    options = dict(plan=plan, backend=backend, shared_reduce=shared_reduce)
+    if axis_name is None and isinstance(params, FrontParams) and params.mesh is not None:
+        parallel.check_sharded_params(params)
+        check_rows(x, params.cfg)
+        return FrontOutput(*parallel.sharded_front(x, params, **options))
     check_params(params)
     cfg = params.cfg
     check_rows(x, cfg)
+    if axis_name is not None:
+        return FrontOutput(*parallel.rank_front(x, params, axis_name, **options))
     if cfg.tp != 1:
         raise ValueError(
             f"params are one rank's shard of tp={cfg.tp}; call moe_front inside jax.shard_map with "
