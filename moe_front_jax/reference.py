@@ -76,8 +76,12 @@ def routing_weights(chosen_scores: jax.Array, cfg: FrontConfig) -> jax.Array:
     w = jnp.where(jnp.isnan(chosen_scores), jnp.float32(0), chosen_scores.astype(jnp.float32))
     scaled = w * jnp.float32(cfg.routed_scaling_factor)
     if cfg.renormalize:
-        total = tree_sum(w)[..., None]
-        scaled = scaled / (total + jnp.float32(RENORM_EPSILON))
+        total = tree_sum(w)[..., None] + jnp.float32(RENORM_EPSILON)
+        # XLA's simplifier turns a division by a broadcast into a multiplication by its reciprocal,
+        # which rounds differently from the correctly rounded division the SPEC asks for; the
+        # barrier keeps the full-shape denominator opaque to that rewrite.
+        denominator = lax.optimization_barrier(jnp.broadcast_to(total, scaled.shape))
+        scaled = scaled / denominator
     return scaled.astype(jnp.bfloat16)
 
 
@@ -105,17 +109,37 @@ def route(
 
 
 def e8m0_exponent(value: jax.Array) -> jax.Array:
-    """Biased E8M0 exponent (uint8) of the smallest power of two >= ``value`` (float32, >= 0).
+    """Biased E8M0 exponent (uint8) of ``value`` (float32, >= 0) rounded toward +inf, saturating.
 
-    Rounds toward +inf and saturates at 254 (2**127): infinities and NaN saturate too. Zero, and values
-    below the smallest float32 subnormal, give 0, which decodes to 2**-127.
+    The smallest ``b`` in ``[0, 254]`` with ``2**(b - 127) >= value``: zero and values up to 2**-127
+    give 0; values above 2**127, infinities and NaN saturate at 254.
     """
     bits = lax.bitcast_convert_type(value.astype(jnp.float32), jnp.uint32)
     exponent = (bits >> 23) & jnp.uint32(0xFF)
     mantissa = bits & jnp.uint32(0x7FFFFF)
-    # A subnormal (exponent field 0, mantissa != 0) rounds up to 2**-126, exponent 1.
-    up = jnp.where(mantissa != 0, jnp.uint32(1), jnp.uint32(0))
-    return jnp.minimum(exponent + up, jnp.uint32(254)).astype(jnp.uint8)
+    # A normal value 2**(E-127) * 1.m needs E, plus one when m != 0. A subnormal is
+    # mantissa * 2**-149 < 2**-126: it fits under 2**-127 (b = 0) up to mantissa 2**22.
+    normal = exponent + jnp.where(mantissa != 0, jnp.uint32(1), jnp.uint32(0))
+    subnormal = jnp.where(mantissa > jnp.uint32(0x400000), jnp.uint32(1), jnp.uint32(0))
+    biased = jnp.where(exponent == 0, subnormal, normal)
+    return jnp.minimum(biased, jnp.uint32(254)).astype(jnp.uint8)
+
+
+def e8m0_scale_down(values: jax.Array, exponent: jax.Array) -> jax.Array:
+    """``values * inverse`` for biased E8M0 ``exponent`` (broadcast against ``values``).
+
+    The scale decodes as the float32 whose exponent field is the byte, so byte 0 decodes to 0 and
+    gets inverse 0; otherwise ``inverse = 2**(127 - b)``. At b = 254 that inverse, 2**-127, is a
+    float32 subnormal that flush-to-zero arithmetic would lose (and turn inf * 0 into NaN), so it is
+    applied as two normal factors, 2**-64 * 2**-63.
+    """
+    b = exponent.astype(jnp.uint32)
+    top = b == 254
+    # 2**(127 - b) has exponent field 254 - b; for b = 254 use 2**-64 (field 63) then 2**-63.
+    first = lax.bitcast_convert_type(jnp.where(top, jnp.uint32(63), 254 - b) << 23, jnp.float32)
+    first = jnp.where(b == 0, jnp.float32(0), first)
+    second = jnp.where(top, jnp.float32(2.0**-63), jnp.float32(1))
+    return values * first * second
 
 
 def mxfp8_plan(latent: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array]:
@@ -123,21 +147,18 @@ def mxfp8_plan(latent: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array
 
     Args:
       latent: ``[B, L]`` bfloat16.
+      block: elements per scale.
 
     Returns:
       ``values`` ``[B, L]`` float8_e4m3fn, ``float8_e4m3fn(clamp(v * inverse, -448, 448))`` rounded to
       nearest even, and ``scales`` ``[B, L / block]`` float8_e8m0fnu, ``amax / 448`` rounded up to a
-      power of two; ``inverse = 1 / scale``, or 0 where the scale byte is 0.
+      power of two (``e8m0_exponent``); ``v * inverse`` as ``e8m0_scale_down`` computes it.
     """
     rows, width = latent.shape
     blocks = latent.astype(jnp.float32).reshape(rows, width // block, block)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
     exponent = e8m0_exponent(amax / jnp.float32(E4M3_MAX))
-    # 1 / 2**(e - 127) = 2**(127 - e), an exact float32 for e in [1, 254].
-    inverse_bits = (jnp.uint32(254) - exponent.astype(jnp.uint32)) << 23
-    inverse = lax.bitcast_convert_type(inverse_bits, jnp.float32)
-    inverse = jnp.where(exponent == 0, jnp.float32(0), inverse)
-    scaled = jnp.clip(blocks * inverse[..., None], -E4M3_MAX, E4M3_MAX)
+    scaled = jnp.clip(e8m0_scale_down(blocks, exponent[..., None]), -E4M3_MAX, E4M3_MAX)
     values = scaled.reshape(rows, width).astype(jnp.float8_e4m3fn)
     scales = lax.bitcast_convert_type(exponent, jnp.float8_e8m0fnu)
     return values, scales

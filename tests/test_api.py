@@ -1,0 +1,173 @@
+"""moe_front and route end to end under jax.jit, the config, and every bad-input error (SPEC 8)."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import moe_front_jax as mf
+from moe_front_jax import backends
+import oracle
+
+SMALL = mf.FrontConfig(hidden=256, experts=128, top_k=16, latent=128, shared=64)
+
+
+@functools.cache
+def small_params(cfg=SMALL, shared=True):
+    return mf.pack_params(mf.init_weights(jax.random.key(0), cfg, shared=shared), cfg)
+
+
+def rows(batch, hidden=256, seed=1):
+    return jax.random.normal(jax.random.key(seed), (batch, hidden)).astype(jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "backend"))
+def front(x, params, plan=False, backend="xla"):
+    return mf.moe_front(x, params, plan=plan, backend=backend)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 37, 255])
+def test_moe_front_matches_oracles(batch):
+    params, x = small_params(), rows(batch)
+    out = front(x, params, plan=True)
+    w = mf.init_weights(jax.random.key(0), SMALL)
+    x64 = np.asarray(x, np.float64)
+    logits64 = x64 @ np.asarray(w[mf.params.GATE], np.float64).T
+    bound = np.abs(x64) @ np.abs(np.asarray(w[mf.params.GATE], np.float64)).T
+    assert out.logits.shape == (batch, 128) and out.logits.dtype == jnp.float32
+    assert (np.abs(np.asarray(out.logits) - logits64) <= 1e-5 * bound).all()
+    latent64 = x64 @ np.asarray(w[mf.params.ROUTED_DOWN], np.float64).T
+    assert oracle.bf16_ulp_distance(out.latent, latent64.astype(ml_dtypes.bfloat16)).max() <= 1
+    # Routing and plan are exact functions of the logits and latent the call returned.
+    ids, weights = oracle.route(np.asarray(out.logits), np.asarray(w[mf.params.BIAS]), 16)
+    np.testing.assert_array_equal(np.asarray(out.ids), ids)
+    assert oracle.bf16_ulp_distance(out.weights, weights).max() <= 1
+    values, scales = oracle.mxfp8_plan(np.asarray(out.latent))
+    np.testing.assert_array_equal(np.asarray(out.plan[1]).view(np.uint8), scales)
+    np.testing.assert_array_equal(np.asarray(out.plan[0]).view(np.uint8), values.view(np.uint8))
+    shared = oracle.shared_expert(x, w[mf.params.GATE_UP], w[mf.params.DOWN])
+    got = np.asarray(out.shared, np.float64)
+    assert out.shared.dtype == jnp.bfloat16
+    assert np.linalg.norm(got - shared) / np.linalg.norm(shared) < 1e-2
+    assert int(out.status) == 0
+
+
+def test_optional_outputs_are_none():
+    out = front(rows(2), small_params(shared=False))
+    assert out.shared is None and out.plan is None
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        mf.FrontConfig(hidden=128, experts=256, top_k=8, latent=64, shared=0),
+        mf.FrontConfig(hidden=128, experts=384, top_k=8, latent=64, shared=32),
+    ],
+    ids=["e256_top8", "e384_top8"],
+)
+def test_other_configs(cfg):
+    params = mf.pack_params(mf.init_weights(jax.random.key(3), cfg), cfg)
+    out = front(rows(5, 128), params)
+    assert out.ids.shape == (5, 8) and out.weights.shape == (5, 8)
+    ids, _ = oracle.route(np.asarray(out.logits), np.asarray(params.bias), 8)
+    np.testing.assert_array_equal(np.asarray(out.ids), ids)
+    assert (out.shared is None) == (cfg.shared == 0)
+
+
+def test_kimi_k3_defaults():
+    cfg = mf.KIMI_K3
+    assert (cfg.hidden, cfg.experts, cfg.top_k, cfg.latent, cfg.shared) == (7168, 896, 16, 3584, 6144)
+    assert cfg.mailbox_width == 5376
+    assert [cfg.with_tp(t).experts_per_rank for t in (1, 2, 4, 8, 16)] == [896, 448, 224, 112, 56]
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("hidden", 0, "FrontConfig.hidden must be a positive int, got 0"),
+        ("experts", -4, "FrontConfig.experts must be a positive int"),
+        ("top_k", 1000, "FrontConfig.top_k=1000 must be <= FrontConfig.experts=896"),
+        ("tp", 3, "FrontConfig.experts=896 must be divisible by tp=3"),
+        ("tp", 5, "FrontConfig.experts=896 must be divisible by tp=5"),
+        ("shared", 6008, "FrontConfig.shared=6008 must be divisible by tp=16"),
+        ("latent", 3592, "FrontConfig.latent=3592 must be divisible by tp=16"),
+        ("latent", 3600, "FrontConfig.latent=3600 must be divisible by plan_block=32"),
+        ("routed_scaling_factor", float("nan"), "routed_scaling_factor must be a finite number"),
+        ("top_k", 16.0, "FrontConfig.top_k must be a positive int, got 16.0"),
+    ],
+)
+def test_config_errors(field, value, message):
+    extra = {"tp": 16} if field == "shared" or value == 3592 else {}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        dataclasses.replace(mf.KIMI_K3, **{field: value}, **extra)
+
+
+@pytest.mark.parametrize(
+    "x, message",
+    [
+        (jnp.zeros((0, 256), jnp.bfloat16), r"x is an empty batch \(shape \(0, 256\)\)"),
+        (jnp.zeros((4, 255), jnp.bfloat16), r"x must have shape \[B, hidden=256\], got \(4, 255\)"),
+        (jnp.zeros((256,), jnp.bfloat16), r"x must have shape \[B, hidden=256\], got \(256,\)"),
+        (jnp.zeros((4, 256), jnp.float32), "x must be bfloat16, got float32"),
+    ],
+)
+def test_bad_rows_raise_at_trace_time(x, message):
+    with pytest.raises(ValueError, match=message):
+        jax.jit(mf.moe_front).trace(x, small_params())
+
+
+def test_bad_params():
+    params = small_params()
+    with pytest.raises(ValueError, match="params must be FrontParams"):
+        mf.moe_front(rows(1), {"packed": params.packed})
+    wrong = dataclasses.replace(params, bias=params.bias.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"params.bias is \(128,\) bfloat16, expected \(128,\) float32"):
+        mf.moe_front(rows(1), wrong)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        mf.moe_front(rows(1), params, backend="cuda")
+    sharded = mf.pack_params(mf.init_weights(jax.random.key(0), SMALL), SMALL.with_tp(2), rank=1)
+    with pytest.raises(ValueError, match="one rank's shard of tp=2"):
+        mf.moe_front(rows(1), sharded)
+
+
+def test_bad_weights():
+    w = dict(mf.init_weights(jax.random.key(0), SMALL))
+    with pytest.raises(ValueError, match="rank must be an int in \\[0, tp=1\\), got 1"):
+        mf.pack_params(w, SMALL, rank=1)
+    w[mf.params.GATE] = w[mf.params.GATE][:-1]
+    with pytest.raises(ValueError, match=r"weights\['gate.weight'\] is \(127, 256\) bfloat16, expected \(128, 256\)"):
+        mf.pack_params(w, SMALL)
+    w = dict(mf.init_weights(jax.random.key(0), SMALL))
+    del w[mf.params.ROUTED_DOWN]
+    with pytest.raises(ValueError, match="weights is missing key 'routed_down_weight'"):
+        mf.pack_params(w, SMALL)
+    w = dict(mf.init_weights(jax.random.key(0), SMALL))
+    del w[mf.params.DOWN]
+    with pytest.raises(ValueError, match="has 'shared_experts.gate_up_proj.weight' but not"):
+        mf.pack_params(w, SMALL)
+
+
+def test_route_errors():
+    bias = jnp.zeros((128,), jnp.float32)
+    with pytest.raises(ValueError, match=r"logits must have shape \[B, experts=128\], got \(2, 64\)"):
+        mf.route(jnp.zeros((2, 64), jnp.float32), bias, SMALL)
+    with pytest.raises(ValueError, match="logits must be float32, got bfloat16"):
+        mf.route(jnp.zeros((2, 128), jnp.bfloat16), bias, SMALL)
+    with pytest.raises(ValueError, match="logits is an empty batch"):
+        mf.route(jnp.zeros((0, 128), jnp.float32), bias, SMALL)
+    with pytest.raises(ValueError, match=r"bias must be \(128,\) float32, got \(64,\) float32"):
+        mf.route(jnp.zeros((2, 128), jnp.float32), bias[:64], SMALL)
+
+
+def test_missing_kernel_names_its_issue(monkeypatch):
+    monkeypatch.setattr(backends, "KERNELS", {})
+    monkeypatch.setitem(backends.PENDING, "route", "issue #3 (the routing kernel)")
+    with pytest.raises(NotImplementedError, match=r"no Pallas kernel for the route stage yet; .*issue #3"):
+        backends.stage("route", "pallas")
+    assert backends.stage("route", "auto") is backends.REFERENCE["route"]
+    with pytest.raises(ValueError, match="unknown stage 'topk'"):
+        backends.stage("topk", "xla")
