@@ -160,7 +160,9 @@ def main():
             rows.append(point)
             print(json.dumps(point), flush=True)
 
-    out = args.out or (os.path.join(os.environ["OUT"], "bench_tp.json") if "OUT" in os.environ else None)
+    out = args.out
+    if out is None and "OUT" in os.environ:
+        out = os.path.join(os.environ["OUT"], "bench_tp.json")
     meta = {
         "device": str(devices[0].device_kind), "devices": len(devices), "jax": jax.__version__,
         "config": dataclasses.asdict(cfg), "timer": "cupti" if on_gpu else "wall", "rows": rows,

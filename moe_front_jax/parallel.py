@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_front_jax import backends
@@ -56,7 +56,8 @@ def mesh_tp(cfg: FrontConfig, mesh: Mesh, axis: str) -> int:
 
     Raises:
       ValueError: ``mesh`` is not a ``jax.sharding.Mesh``, ``axis`` is not one of its axes, ``cfg.tp``
-        is neither 1 nor the axis size, or ``experts``, ``latent`` or ``shared`` is not divisible by it.
+        is neither 1 nor the axis size, or ``experts``, ``latent`` or ``shared`` is not divisible
+        by it.
     """
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
@@ -80,7 +81,7 @@ def mesh_tp(cfg: FrontConfig, mesh: Mesh, axis: str) -> int:
 
 
 def param_specs(axis: str) -> dict[str, P]:
-    """``PartitionSpec`` of each ``FrontParams`` array of sharded params: rank blocks along ``axis``."""
+    """``PartitionSpec`` of each array of sharded ``FrontParams``: rank blocks along ``axis``."""
     return {
         "packed": P(axis, None),
         "bias": P(),
@@ -110,8 +111,8 @@ def shard_params(
     - ``down`` ``[H, S]`` bfloat16 (the checkpoint's own layout), split along columns,
       ``P(None, axis)``.
 
-    ``moe_front(x, params)`` then runs under ``jax.shard_map``; inside a caller's own ``shard_map`` over
-    the same mesh, pass ``jax.tree.map(lambda a: a.sharding.spec, params)`` as the params' in_specs and
+    ``moe_front(x, params)`` then runs under ``jax.shard_map``; inside a caller's own ``shard_map``
+    over the same mesh, pass ``jax.tree.map(lambda a: a.sharding.spec, params)`` as the params' in_specs and
     call ``moe_front(x, params, axis_name=axis)``.
 
     Args:
@@ -125,8 +126,8 @@ def shard_params(
       ``FrontParams`` with ``cfg.tp == tp``, ``mesh`` and ``axis`` set.
 
     Raises:
-      ValueError: ``axis`` missing from ``mesh``, ``tp`` not dividing ``E``, ``L`` or ``S``, a ``cfg.tp``
-        that disagrees with the mesh, or weights of the wrong keys, shapes or dtypes.
+      ValueError: ``axis`` missing from ``mesh``, ``tp`` not dividing ``E``, ``L`` or ``S``, a
+        ``cfg.tp`` that disagrees with the mesh, or weights of the wrong keys, shapes or dtypes.
     """
     tp = mesh_tp(cfg, mesh, axis)
     cfg = cfg.with_tp(tp)
@@ -325,6 +326,12 @@ def sharded_front(
         )
     batch = others or None
     rows = P(batch, None)
+    explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit]
+    if explicit:
+        # shard_map takes x typed over Explicit axes only in its in_spec's sharding; over Auto axes
+        # jit reshards x itself (and jax.reshard refuses them).
+        split = tuple(name for name in others if name in explicit) or None
+        x = jax.reshard(x, NamedSharding(mesh, P(split, None)))
     specs = param_specs(axis)
     shared_spec = P(batch, axis) if shared_reduce == "psum_scatter" else rows
 

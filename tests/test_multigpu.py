@@ -93,7 +93,8 @@ def assert_matches_unsharded(out, b):
 
 
 def collectives(compiled_text):
-    pattern = r"= \S+ (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+    ops = "all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
+    pattern = rf"= \S+ ({ops})(?:-start)?\("
     return sorted(re.findall(pattern, compiled_text))
 
 

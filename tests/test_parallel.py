@@ -76,16 +76,18 @@ def front(x, params, **options):
     return jax.jit(functools.partial(mf.moe_front, **options))(x, params)
 
 
-def assert_matches_unsharded(out, cfg, b=ROWS):
+def assert_matches_unsharded(out, cfg, b=ROWS, plan=False):
     """ids, weights, latent and plan equal; logits to float32 rounding; shared within bf16 rounding."""
     expected = unsharded(cfg, b)
     np.testing.assert_array_equal(out.ids, expected["ids"])
     np.testing.assert_array_equal(out.weights, expected["weights"])
     np.testing.assert_array_equal(out.latent, expected["latent"])
     np.testing.assert_allclose(out.logits, expected["logits"], rtol=1e-6, atol=1e-6)
-    if out.plan is not None:
+    assert (out.plan is not None) == plan
+    if plan:
         for got, want in zip(out.plan, expected["plan"]):
-            np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+            got, want = np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)
+            np.testing.assert_array_equal(got, want)
     if expected["shared"] is None:
         assert out.shared is None
         return
@@ -98,7 +100,8 @@ def assert_matches_unsharded(out, cfg, b=ROWS):
 
 def collectives(compiled_text):
     """Opcodes of the collectives in compiled HLO text, one entry per instruction."""
-    pattern = r"= \S+ (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+    ops = "all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
+    pattern = rf"= \S+ ({ops})(?:-start)?\("
     return re.findall(pattern, compiled_text)
 
 
@@ -133,7 +136,7 @@ def test_sharded_front_matches_unsharded_reference(tp, shared_reduce):
     mesh = tp_mesh(tp)
     params = mf.shard_params(weights(CFG), CFG, mesh)
     out = front(rows(CFG), params, plan=True, backend="xla", shared_reduce=shared_reduce)
-    assert_matches_unsharded(out, CFG)
+    assert_matches_unsharded(out, CFG, plan=True)
     assert out.shared.shape == (ROWS, CFG.hidden)
     if shared_reduce == "psum_scatter":
         # Each device holds its H/tp hidden columns of the reduce-scatter.
@@ -222,6 +225,10 @@ def test_data_axis_beside_tp_splits_the_batch(shape, names, axis_type):
     # Each data group exchanges within its own tp ranks: still one all-gather, no gather of x.
     assert sorted(collectives(call.lower(x, params).compile().as_text())) == [
         "all-gather", "reduce-scatter"]
+    # x as the caller has it (one device, or split over tp) is resharded to the batch split.
+    split_over_tp = jax.sharding.NamedSharding(mesh, P("tp"))
+    for placed in (rows(CFG), jax.device_put(rows(CFG)[:4], split_over_tp)):
+        np.testing.assert_array_equal(call(placed, params).ids, unsharded(CFG)["ids"][:len(placed)])
     with pytest.raises(ValueError, match=r"B=5 rows.*divisible by 2"):
         mf.moe_front(rows(CFG, 5), params)
 
@@ -292,7 +299,7 @@ for shape, names, shared_reduce in [((16,), ("tp",), "psum"), ((16,), ("tp",), "
     params = mf.shard_params(t.weights(t.K3_ROWS), t.K3_ROWS, mesh)
     assert params.split == {16: 64, 8: 112}[mesh.shape["tp"]], params.split
     out = t.front(t.rows(t.K3_ROWS), params, plan=True, backend="xla", shared_reduce=shared_reduce)
-    t.assert_matches_unsharded(out, t.K3_ROWS)
+    t.assert_matches_unsharded(out, t.K3_ROWS, plan=True)
 print("ok")
 """
 
