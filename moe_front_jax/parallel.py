@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_front_jax import backends
@@ -51,17 +51,17 @@ def check_shared_reduce(shared_reduce: str) -> str:
     return shared_reduce
 
 
-def mesh_tp(cfg: FrontConfig, mesh: Mesh, axis: str) -> int:
+def mesh_tp(cfg: FrontConfig, mesh: Mesh | AbstractMesh, axis: str) -> int:
     """The tensor-parallel degree ``mesh.shape[axis]``, validated against ``cfg``.
 
     Raises:
-      ValueError: ``mesh`` is not a ``jax.sharding.Mesh``, ``axis`` is not one of its axes, ``cfg.tp``
-        is neither 1 nor the axis size, or ``experts``, ``latent`` or ``shared`` is not divisible
-        by it.
+      ValueError: ``mesh`` is not a ``Mesh`` or ``AbstractMesh``, ``axis`` is not one of its axes,
+        ``cfg.tp`` is neither 1 nor the axis size, or ``experts``, ``latent`` or ``shared`` is not
+        divisible by it.
     """
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
-    if not isinstance(mesh, Mesh):
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
         raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis not in mesh.axis_names:
         raise ValueError(f"axis={axis!r} is not an axis of the mesh, whose axes are {mesh.axis_names}")
@@ -130,6 +130,10 @@ def shard_params(
         ``cfg.tp`` that disagrees with the mesh, or weights of the wrong keys, shapes or dtypes.
     """
     tp = mesh_tp(cfg, mesh, axis)
+    if not isinstance(mesh, Mesh):
+        raise ValueError(
+            f"mesh must be a concrete jax.sharding.Mesh to place the weights on, got {mesh}"
+        )
     cfg = cfg.with_tp(tp)
     check_weights(weights, cfg)
     if not isinstance(split_align, int) or split_align <= 0:
@@ -158,7 +162,12 @@ def shard_params(
 
 
 def check_sharded_params(params: FrontParams) -> None:
-    """Sharded params (``shard_params``' output) must hold global arrays matching their config."""
+    """Sharded params must hold global arrays matching their config.
+
+    ``shard_params`` gives such params. Their ``mesh`` may also be an ``AbstractMesh`` (with
+    ``jax.ShapeDtypeStruct`` leaves, through ``dataclasses.replace``): to lower the sharded front for
+    devices this host does not have, under ``jax.sharding.use_abstract_mesh``.
+    """
     cfg, mesh, axis = params.cfg, params.mesh, params.axis
     tp = mesh_tp(cfg, mesh, axis)
     if cfg.tp != tp:
@@ -346,7 +355,7 @@ def sharded_front(
         mesh=mesh,
         in_specs=(rows, specs["packed"], specs["bias"], specs["gate_up"], specs["down"]),
         out_specs=(rows, rows, rows, rows, shared_spec, rows, P()),
-        # Pallas kernels in interpret mode do not carry the varying-axes types check_vma tracks.
+        # A pallas_call's out_shape carries no varying-axes type, which check_vma=True requires.
         check_vma=not runs_kernels(backend, plan, params.has_shared),
     )
     return front(x, params.packed, params.bias, params.gate_up, params.down)

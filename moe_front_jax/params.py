@@ -135,7 +135,9 @@ class FrontParams:
     down: jax.Array | None
     cfg: FrontConfig = dataclasses.field(metadata=dict(static=True))
     split: int = dataclasses.field(metadata=dict(static=True))
-    mesh: jax.sharding.Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = dataclasses.field(
+        default=None, metadata=dict(static=True)
+    )
     axis: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property

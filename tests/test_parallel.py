@@ -263,6 +263,8 @@ def test_bad_meshes_and_axes_are_refused():
         mf.shard_params(w, CFG.with_tp(4), tp_mesh(8))
     with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
         mf.shard_params(w, CFG, "tp")
+    with pytest.raises(ValueError, match="concrete jax.sharding.Mesh to place the weights on"):
+        mf.shard_params(w, CFG, tp_mesh(8).abstract_mesh)
     params = mf.shard_params(w, CFG.with_tp(8), tp_mesh(8))
     with pytest.raises(ValueError, match="shared_reduce must be one of"):
         mf.moe_front(rows(CFG), params, shared_reduce="sum")
