@@ -181,7 +181,7 @@ def main():
     for r in rows:
         ex = r["exchange"][clock]
         front = r[fronts[0]][clock]
-        cells = [r["tp"], r["batch"], f"{ex:.1f}", f"{r['exchange_bytes'] / ex / 1e3:.1f}"]
+        cells = [r["tp"], r["batch"], f"{ex:.1f}", f"{r['exchange_bytes'] / ex / 1e3:.2f}"]
         cells += [f"{r[k][clock]:.1f}" for k in fronts]
         cells += [f"{r['unsharded'][clock]:.1f}", f"{r['unsharded'][clock] / front:.2f}"]
         print(" | ".join(map(str, cells)))
