@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_front_jax as mf
-from moe_front_jax import parallel, reference
-from moe_front_jax.params import DOWN, GATE_UP, weight_shapes
+from h200 import H200
+from moe_front_jax import backends, parallel, reference
+from moe_front_jax.params import BIAS, DOWN, GATE_UP, weight_shapes
 
 CFG = mf.FrontConfig(hidden=256, experts=64, top_k=8, latent=128, shared=128)
 CFG_NO_SHARED = mf.FrontConfig(hidden=256, experts=128, top_k=16, latent=256, shared=0)
@@ -233,13 +234,6 @@ def test_data_axis_beside_tp_splits_the_batch(shape, names, axis_type):
         mf.moe_front(rows(CFG, 5), params)
 
 
-def test_pallas_backends_reach_every_rank():
-    """backend is passed through to each rank's stages: a stage without a kernel says so."""
-    params = mf.shard_params(weights(CFG), CFG, tp_mesh(8))
-    with pytest.raises(NotImplementedError, match="no Pallas kernel"):
-        mf.moe_front(rows(CFG), params, backend="interpret")
-
-
 @pytest.mark.parametrize(
     "cfg, message",
     [
@@ -284,6 +278,73 @@ def test_axis_name_that_disagrees_with_params_is_refused():
             lambda x: mf.moe_front(x, quarter, axis_name="tp").ids,
             mesh=tp_mesh(8), in_specs=P(), out_specs=P(),
         )(rows(CFG))
+
+
+def assert_close_to_unsharded(out, cfg):
+    """Kernels sum in another order than XLA: logits to float32 rounding, the latent to one bf16
+    ulp, the ids exactly the routing of the logits they got, and equal to the reference's."""
+    expected = unsharded(cfg)
+    np.testing.assert_allclose(out.logits, expected["logits"], rtol=1e-5, atol=1e-5)
+    ids, routing = reference.route(out.logits, weights(cfg)[BIAS], cfg)
+    np.testing.assert_array_equal(out.ids, ids)
+    np.testing.assert_array_equal(out.weights, routing)
+    # The reference's ids wherever its k-th and (k+1)-th keys are further apart than logits move.
+    keys = np.sort(jax.nn.sigmoid(expected["logits"]) + weights(cfg)[BIAS], axis=1)[:, ::-1]
+    clear = keys[:, cfg.top_k - 1] - keys[:, cfg.top_k] > 1e-5
+    assert clear.sum() >= len(clear) - 1
+    np.testing.assert_array_equal(np.asarray(out.ids)[clear], np.asarray(expected["ids"])[clear])
+    latent = np.asarray(out.latent, np.float32)
+    want = np.asarray(expected["latent"], np.float32)
+    assert np.all(np.abs(latent - want) <= 2.0**-7 * np.maximum(np.abs(latent), np.abs(want)))
+    got, want = np.asarray(out.shared, np.float32), np.asarray(expected["shared"], np.float32)
+    assert np.all(np.abs(got - want) <= 2.0**-7 * np.abs(want) + 2.0**-12 * np.abs(want).max())
+
+
+KERNEL_STAGES = ("front_gemm", "route", "shared_expert")
+needs_kernels = pytest.mark.skipif(
+    not set(KERNEL_STAGES) <= set(backends.KERNELS),
+    reason=f"needs Pallas kernels for {KERNEL_STAGES}; backends.KERNELS has {tuple(backends.KERNELS)}",
+)
+
+
+@needs_kernels
+def test_interpret_kernels_under_shard_map():
+    """The Pallas kernels (interpret mode) run on every rank, through shard_params and axis_name."""
+    mesh = tp_mesh(8)
+    params = mf.shard_params(weights(CFG), CFG, mesh)
+    out = front(rows(CFG), params, backend="interpret", shared_reduce="psum_scatter")
+    assert_close_to_unsharded(out, CFG)
+
+    specs = jax.tree.map(lambda a: a.sharding.spec, params)
+    step = jax.shard_map(
+        functools.partial(mf.moe_front, axis_name="tp", backend="interpret"),
+        mesh=mesh, in_specs=(P(), specs), out_specs=P(), check_vma=False,
+    )
+    assert_close_to_unsharded(jax.jit(step)(rows(CFG), params), CFG)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shared_reduce", ["psum", "psum_scatter"])
+def test_sharded_pallas_front_lowers_for_8_h200s(shared_reduce):
+    """The Pallas kernels under shard_map get through the GPU lowering, for a mesh of 8 H200s."""
+    mesh = AbstractMesh((8,), ("tp",), abstract_device=H200)
+    params = mf.shard_params(weights(CFG), CFG, tp_mesh(8))
+    params = dataclasses.replace(
+        jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=NamedSharding(mesh, a.sharding.spec)
+            ),
+            params,
+        ),
+        mesh=mesh,
+    )
+    x = jax.ShapeDtypeStruct((ROWS, CFG.hidden), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+    call = jax.jit(functools.partial(mf.moe_front, backend="pallas", shared_reduce=shared_reduce))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = call.trace(x, params).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r'"stablehlo\.all_gather"', text)) == 1
+    # One Triton call at least per stage: front GEMM, routing, shared expert.
+    assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) >= 3
 
 
 K3_ROWS = dataclasses.replace(mf.KIMI_K3, hidden=256)
