@@ -8,6 +8,7 @@ contract and README.md for usage.
 
 from moe_front_jax import reference
 from moe_front_jax.api import FrontOutput, moe_front, route
+from moe_front_jax.bridge.mailbox import Mailbox
 from moe_front_jax.config import KIMI_K3, FrontConfig
 from moe_front_jax.params import FrontParams, init_weights, pack_params
 from moe_front_jax.parallel import shard_params
@@ -17,6 +18,7 @@ __all__ = [
     "FrontConfig",
     "FrontOutput",
     "FrontParams",
+    "Mailbox",
     "init_weights",
     "moe_front",
     "pack_params",
