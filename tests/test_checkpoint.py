@@ -8,10 +8,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import save_file
 
 import moe_front_jax as mf
 from moe_front_jax import params as P
+from moe_front_jax.checkpoint import CheckpointReader
 
 CFG = mf.FrontConfig(hidden=64, experts=32, top_k=4, latent=64, shared=32)
 PREFIX = "model.layers.3.mlp."
@@ -76,8 +78,16 @@ def test_files_with_and_without_index(tmp_path):
     assert_loaded(mf.load_weights(files, CFG, prefix=PREFIX), weights)
     weight_map = {k: "model-00001-of-00002.safetensors" for k in first}
     weight_map.update({k: "model-00002-of-00002.safetensors" for k in second})
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
     assert_loaded(mf.load_weights(tmp_path, CFG, prefix=PREFIX), weights)
+    weight_map[PREFIX + P.GATE] = "model-00003-of-00002.safetensors"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=re.escape(repr(PREFIX + P.GATE)) + " is not in .*00003"):
+        mf.load_weights(tmp_path, CFG, prefix=PREFIX)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="is not a readable safetensors file"):
+        mf.load_weights(sorted(tmp_path.glob("*.safetensors")), CFG, prefix=PREFIX)
 
 
 def test_loaded_layer_runs_like_the_weights(tmp_path):
@@ -85,13 +95,12 @@ def test_loaded_layer_runs_like_the_weights(tmp_path):
     save_file(checkpoint(weights), str(tmp_path / "m.safetensors"))
     x = jax.random.normal(jax.random.key(0), (3, CFG.hidden)).astype(jnp.bfloat16)
     device_weights = {k: jnp.asarray(v) for k, v in weights.items()}
-    want = mf.moe_front(x, mf.pack_params(device_weights, CFG))
+    want = jax.jit(mf.moe_front)(x, mf.pack_params(device_weights, CFG))
     params = mf.load_params(tmp_path, CFG, prefix=PREFIX)
-    got = mf.moe_front(x, params)
+    got = jax.jit(mf.moe_front)(x, params)
     np.testing.assert_array_equal(np.asarray(got.ids), np.asarray(want.ids))
     np.testing.assert_array_equal(np.asarray(got.latent), np.asarray(want.latent))
-    front = mf.nn.MoEFront(CFG, weights=mf.load_weights(tmp_path, CFG, prefix=PREFIX))
-    np.testing.assert_array_equal(np.asarray(front(x).shared), np.asarray(want.shared))
+    np.testing.assert_array_equal(np.asarray(got.shared), np.asarray(want.shared))
 
 
 @pytest.mark.parametrize(
@@ -140,3 +149,68 @@ def test_wrong_prefix_and_bad_sources(tmp_path):
     save_file({PREFIX + P.GATE: np.zeros((1,), np.float32)}, str(tmp_path / "n.safetensors"))
     with pytest.raises(ValueError, match=re.escape(repr(PREFIX + P.GATE)) + " is in both"):
         mf.load_weights(tmp_path, CFG, prefix=PREFIX)
+
+
+def tp_mesh(tp):
+    return jax.sharding.Mesh(np.array(jax.devices()[:tp]), ("tp",),
+                             axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def record_reads(monkeypatch):
+    """Every (name, bounds) the loader reads from the files."""
+    reads = []
+    read = CheckpointReader.read
+
+    def spy(self, name, bounds=None):
+        reads.append((name, None if bounds is None else tuple(map(tuple, bounds))))
+        return read(self, name, bounds)
+
+    monkeypatch.setattr(CheckpointReader, "read", spy)
+    return reads
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_load_params_straight_into_tp_shards(tmp_path, monkeypatch, tp):
+    weights = layer(5)
+    save_file(checkpoint(weights), str(tmp_path / "m.safetensors"))
+    mesh = tp_mesh(tp)
+    reads = record_reads(monkeypatch)
+    params = mf.load_params(tmp_path, CFG, prefix=PREFIX, mesh=mesh)
+    want = mf.shard_params({k: jnp.asarray(v) for k, v in weights.items()}, CFG, mesh)
+    assert (params.cfg, params.split, params.mesh, params.axis) == (want.cfg, want.split, mesh, "tp")
+    for name in ("packed", "bias", "gate_up", "down"):
+        got, expected = getattr(params, name), getattr(want, name)
+        assert got.sharding == expected.sharding, name
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected), err_msg=name)
+    # Each device read its own rows: no read of a router, latent or shared weight covers two ranks.
+    valid, shard, s_r = CFG.experts // tp, CFG.latent // tp, CFG.shared // tp
+    rows_read = {P.GATE: valid, P.ROUTED_DOWN: shard, P.GATE_UP: s_r}
+    for name, bounds in reads:
+        if name in rows_read:
+            assert bounds[0][1] - bounds[0][0] == rows_read[name], (name, bounds)
+        elif name == P.DOWN:
+            assert bounds[1][1] - bounds[1][0] == s_r, bounds
+    x = jax.random.normal(jax.random.key(0), (4, CFG.hidden)).astype(jnp.bfloat16)
+    front = jax.jit(mf.moe_front)
+    got, expected = front(x, params), front(x, want)
+    np.testing.assert_array_equal(np.asarray(got.ids), np.asarray(expected.ids))
+    np.testing.assert_array_equal(np.asarray(got.shared), np.asarray(expected.shared))
+
+
+@pytest.mark.parametrize("tp, shared", [(None, True), (4, True), (4, False)])
+def test_module_from_checkpoint(tmp_path, monkeypatch, tp, shared):
+    weights = layer(6, shared=shared)
+    save_file(checkpoint(weights), str(tmp_path / "m.safetensors"))
+    mesh = None if tp is None else tp_mesh(tp)
+    reads = record_reads(monkeypatch)
+    front = mf.nn.MoEFront.from_checkpoint(tmp_path, CFG, PREFIX, mesh=mesh)
+    assert (front.shared_experts is None) == (not shared)
+    if mesh is not None:
+        assert front.gate.weight[...].sharding.spec == jax.sharding.PartitionSpec("tp", None)
+        assert all(bounds is not None for name, bounds in reads if name != P.BIAS)
+    assert_loaded(front.weights(), weights)
+    x = jax.random.normal(jax.random.key(0), (3, CFG.hidden)).astype(jnp.bfloat16)
+    want = jax.jit(mf.moe_front)(x, mf.pack_params({k: jnp.asarray(v) for k, v in weights.items()}, CFG))
+    got = nnx.jit(lambda m, x: m(x))(front, x)
+    np.testing.assert_array_equal(np.asarray(got.ids), np.asarray(want.ids))
+    np.testing.assert_array_equal(np.asarray(got.latent), np.asarray(want.latent))
