@@ -1,0 +1,198 @@
+"""The Lamport mailbox path of ``moe_front`` against the direct path, on the GPU (issue 5).
+
+Target: the mailbox adds at most 2 us per call at B <= 64 on the H200. For each B in {1, 8, 64, 256}
+the script times, with CUPTI (summed kernel time per call), in one process:
+
+- ``direct``: ``jax.jit(moe_front)(x, params)`` (the XLA reference front GEMM and routing);
+- ``mailbox``: ``jax.jit(moe_front, donate_argnames="mailbox")(x, params, mailbox=box)``, the box
+  threaded from call to call as a decode loop does;
+- ``exchange``: the mailbox alone (``bridge.mailbox.exchange``: publish + collect), and its two kernels.
+
+Three weight copies (3 x 64 MB, over the 60 MB L2) and three inputs rotate; no input is zero. Also
+measured: how long a collect on a never-published mailbox takes to return its timeout status.
+``--variants`` first sweeps the kernels' block size (chunks per program, warps).
+
+Run on the lent GPU (see HELPERS.md):
+  cd .stage/mailbox && WHEELS=$PWD/../../.whl source benchmarks/gpu_env.sh &&
+  python3 benchmarks/bench_mailbox.py --out $OUT [--variants]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import moe_front_jax as mf
+from moe_front_jax.bridge import mailbox as mb
+
+BATCHES = (1, 8, 64, 256)
+COPIES = 3
+ITERATIONS = 60
+
+
+def kernel_times(launch, iterations: int) -> list[list[tuple[str, float]]]:
+    """CUPTI ``(kernel name, ms)`` of each of ``iterations`` calls ``launch(0), launch(1), ...``.
+
+    ``profiler.measure`` repeats one set of arguments, which a donated mailbox does not survive (the
+    first call deletes its buffer): this is measure's loop, with ``launch`` threading the state.
+    """
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    jax.block_until_ready(launch(0))  # compile and warm up
+    ext._cupti_init()
+    try:
+        results = [launch(i) for i in range(iterations)]
+        jax.block_until_ready(results)
+    finally:
+        timings = ext._cupti_get_timings(True)
+    per_call, rest = divmod(len(timings), iterations)
+    if rest or not per_call:
+        raise RuntimeError(f"{len(timings)} kernels over {iterations} calls")
+    return [timings[i * per_call:(i + 1) * per_call] for i in range(iterations)]
+
+
+def summarize(calls: list[list[tuple[str, float]]]) -> dict:
+    """Median summed time per call (us) and each kernel's median (us), in launch order."""
+    totals = [sum(ms for _, ms in call) * 1e3 for call in calls]
+    kernels = [
+        (name, statistics.median(call[k][1] for call in calls) * 1e3)
+        for k, (name, _) in enumerate(calls[0])
+    ]
+    return dict(us=statistics.median(totals), kernels=kernels)
+
+
+def kernel_us(summary: dict, fragment: str) -> float:
+    return sum(us for name, us in summary["kernels"] if fragment in name)
+
+
+def bench_batch(batch: int, params: list, cfg) -> dict:
+    xs = [
+        (jax.random.normal(jax.random.key(100 + i), (batch, cfg.hidden)) + 0.1).astype(jnp.bfloat16)
+        for i in range(COPIES)
+    ]
+    direct = jax.jit(mf.moe_front)
+    step = jax.jit(mf.moe_front, donate_argnames="mailbox")
+    state = dict(box=mf.Mailbox.create(cfg, capacity=max(BATCHES)), statuses=[])
+
+    def run_direct(i):
+        return direct(xs[i % COPIES], params[i % COPIES])
+
+    def run_mailbox(i):
+        out, state["box"] = step(xs[i % COPIES], params[i % COPIES], mailbox=state["box"])
+        state["statuses"].append(out.status)
+        return out
+
+    rounds = {"direct": [], "mailbox": []}
+    for _ in range(2):  # interleaved, so that drift of the shared machine hits both paths alike
+        rounds["direct"] += kernel_times(run_direct, ITERATIONS)
+        rounds["mailbox"] += kernel_times(run_mailbox, ITERATIONS)
+    shards = [
+        mf.reference.front_gemm(x, p.packed, p.split, cfg.experts_per_rank) for x, p in zip(xs, params)
+    ]
+
+    def run_exchange(i):
+        logits, latent, status, state["box"] = mb.exchange(state["box"], *shards[i % COPIES])
+        state["statuses"].append(status)
+        return logits, latent
+
+    exchange = summarize(kernel_times(run_exchange, ITERATIONS))
+    statuses = {int(s) for s in state["statuses"]}
+    if statuses != {0}:
+        raise RuntimeError(f"B={batch}: mailbox statuses {statuses}, expected only 0")
+    d, m = summarize(rounds["direct"]), summarize(rounds["mailbox"])
+    return dict(
+        batch=batch,
+        direct=d,
+        mailbox=m,
+        exchange=exchange,
+        added_us=m["us"] - d["us"],
+        publish_us=kernel_us(m, "mailbox_publish"),
+        collect_us=kernel_us(m, "mailbox_collect"),
+    )
+
+
+def timeout_seconds(cfg, batch: int) -> float:
+    """Wall time of a collect on a never-published mailbox (after a first, compiling call)."""
+    collect = jax.jit(lambda box: mb.collect(box, batch), donate_argnums=0)
+    box = mf.Mailbox.create(cfg, capacity=max(BATCHES))
+    *_, status, box = jax.block_until_ready(collect(box))
+    start = time.perf_counter()
+    *_, status, box = jax.block_until_ready(collect(box))
+    elapsed = time.perf_counter() - start
+    if int(status) != mf.Mailbox.TIMEOUT:
+        raise RuntimeError(f"a never-published collect returned status {int(status)}")
+    return elapsed
+
+
+def sweep_variants(cfg, params) -> list[dict]:
+    """Exchange-only time per (chunks per program, warps), over the batches."""
+    from moe_front_jax.bridge import triton_mailbox as tm
+
+    chosen = (tm.BLOCK_CHUNKS, tm.NUM_WARPS)
+    rows = []
+    for block, warps in [(32, 1), (64, 2), (128, 4), (256, 4), (256, 8)]:
+        tm.BLOCK_CHUNKS, tm.NUM_WARPS = block, warps
+        jax.clear_caches()
+        row = dict(block=block, warps=warps)
+        for batch in BATCHES:
+            x = (jax.random.normal(jax.random.key(7), (batch, cfg.hidden)) + 0.1).astype(jnp.bfloat16)
+            shard = mf.reference.front_gemm(x, params[0].packed, params[0].split, cfg.experts_per_rank)
+            state = dict(box=mf.Mailbox.create(cfg, capacity=max(BATCHES)))
+
+            def run(i):
+                logits, latent, _, state["box"] = mb.exchange(state["box"], *shard)
+                return logits, latent
+
+            summary = summarize(kernel_times(run, ITERATIONS))
+            row[batch] = (kernel_us(summary, "mailbox_publish"), kernel_us(summary, "mailbox_collect"))
+        rows.append(row)
+        print("variant", row, flush=True)
+    tm.BLOCK_CHUNKS, tm.NUM_WARPS = chosen
+    jax.clear_caches()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--variants", action="store_true", help="sweep the kernels' block size first")
+    args = parser.parse_args()
+    cfg = mf.KIMI_K3
+    print(jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
+    params = [
+        mf.pack_params(mf.init_weights(jax.random.key(i), cfg, shared=False), cfg) for i in range(COPIES)
+    ]
+    report = dict(device=jax.devices()[0].device_kind, jax=jax.__version__)
+    if args.variants:
+        report["variants"] = sweep_variants(cfg, params)
+    report["timeout_s"] = {batch: timeout_seconds(cfg, batch) for batch in (1, max(BATCHES))}
+    report["batches"] = [bench_batch(batch, params, cfg) for batch in BATCHES]
+    with open(os.path.join(args.out, "bench_mailbox.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    for row in report["batches"]:
+        kernels = [(name[:40], round(us, 2)) for name, us in row["mailbox"]["kernels"]]
+        print(f"B={row['batch']} mailbox path kernels (us):", kernels)
+    print("timeout status after (s):", {b: round(s, 4) for b, s in report["timeout_s"].items()})
+    print()
+    print(
+        "| B | direct us | mailbox us | added us | publish us | collect us | exchange alone us "
+        "| mailbox / direct |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in report["batches"]:
+        d, m = row["direct"]["us"], row["mailbox"]["us"]
+        print(
+            f"| {row['batch']} | {d:.2f} | {m:.2f} | {row['added_us']:.2f} | {row['publish_us']:.2f} | "
+            f"{row['collect_us']:.2f} | {row['exchange']['us']:.2f} | {m / d:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
