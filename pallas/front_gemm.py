@@ -21,9 +21,10 @@ shard has 560 rows), so K is split over ``split_k`` programs per tile: each writ
 tile to a workspace, then takes a ticket from the tile's counter (an acquire-release atomic after a
 CTA barrier); the last of the tile's programs to arrive sums the ``split_k`` partials in a fixed order
 (so results do not depend on arrival order) and runs the epilogue. That reduction lives in the GEMM
-kernel rather than in a second one because a second launch costs more than the whole GEMM at tp8
-(about 2 us against a 1.7 us floor); its price is the partials' round trip through L2
-(``2 * 4 * B * n * split_k`` bytes when split) and a zeroed int32 counter per tile.
+kernel rather than in a second Pallas kernel so that no cast or reduction pass follows it; its price
+is the partials' round trip through L2 (``2 * 4 * B * n * split_k`` bytes when split) and a zeroed
+int32 counter per tile, which XLA writes with a small broadcast kernel before the GEMM (a fresh
+buffer per call: JAX has no persistent scratch to keep self-resetting counters in).
 
 Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working). The kernel needs exactly what
 Triton does well: a K loop whose loads the software pipeliner turns into ``num_stages`` asynchronous
