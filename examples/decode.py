@@ -1,10 +1,12 @@
-"""The main job: one decode step of the Kimi-K3 MoE front on seeded random weights.
+"""The main job: decode steps of a model built around the Kimi-K3 MoE front, as an NNX module.
 
-    python examples/decode.py [--batch 1 8 64] [--backend auto] [--repeats 20]
+    python examples/decode.py [--batch 1 8 64] [--steps 4] [--backend auto] [--small]
 
-For each batch size it runs ``moe_front`` under ``jax.jit`` (with the MXFP8 plan and the shared
-expert), prints each row's top experts and weights, the latent's norm and the time per call after
-warm-up, and checks the SPEC's invariants. Exits with status 1 if any invariant fails.
+``DecodeModel`` is a stand-in for one Kimi-K3 decoder layer around ``mf.nn.MoEFront``: token embedding,
+RMSNorm, the front (with the MXFP8 plan and the shared expert), the routed experts as one vector each
+(standing in for the MXFP4 expert MLPs), and a head that picks the next token. Every step runs under
+``nnx.jit`` on seeded random weights and prints a progress line: its time, the next tokens, row 0's
+top experts and whether the SPEC's invariants hold. Exits with status 1 if any invariant fails.
 """
 
 from __future__ import annotations
@@ -16,9 +18,15 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import moe_front_jax as mf
 from moe_front_jax import backends
+
+VOCAB = 4096
+"""Tokens of the stand-in model's embedding and head."""
+SMALL = mf.FrontConfig(hidden=512, experts=128, top_k=16, latent=256, shared=512)
+"""``--small``: K3's proportions at a size that initialises and compiles in seconds on a CPU."""
 
 
 def invariant_failures(out: mf.FrontOutput, bias, cfg: mf.FrontConfig, batch: int) -> list[str]:
@@ -61,42 +69,84 @@ def invariant_failures(out: mf.FrontOutput, bias, cfg: mf.FrontConfig, batch: in
     return failures
 
 
+class DecodeModel(nnx.Module):
+    """A stand-in decoder layer around the MoE front: tokens in, the front's output and next tokens out.
+
+    ``x = RMSNorm(embed(tokens))``; ``out = front(x)``; the layer's output ``x + sum_k w_k expert[id_k] +
+    shared`` goes through the head, whose argmax is the next token. Only the front is the real thing:
+    the routed experts are one bfloat16 vector each, and there is no attention.
+    """
+
+    def __init__(self, cfg: mf.FrontConfig, backend: str, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB, cfg.hidden, param_dtype=jnp.bfloat16, rngs=rngs)
+        self.norm = nnx.RMSNorm(cfg.hidden, rngs=rngs)
+        self.front = mf.nn.MoEFront(cfg, rngs=rngs, backend=backend)
+        experts = jax.random.normal(rngs.params(), (cfg.experts, cfg.hidden), jnp.float32) * 0.1
+        self.experts = nnx.Param(experts.astype(jnp.bfloat16))
+        self.head = nnx.Linear(cfg.hidden, VOCAB, use_bias=False, param_dtype=jnp.bfloat16, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> tuple[mf.FrontOutput, jax.Array]:
+        x = self.norm(self.embed(tokens)).astype(jnp.bfloat16)
+        out = self.front(x, plan=True)
+        chosen = self.experts[...][out.ids].astype(jnp.float32)  # [B, K, H]
+        routed = jnp.einsum("bk,bkh->bh", out.weights.astype(jnp.float32), chosen)
+        hidden = (x.astype(jnp.float32) + routed + out.shared.astype(jnp.float32)).astype(jnp.bfloat16)
+        return out, jnp.argmax(self.head(hidden), axis=-1).astype(jnp.int32)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="decode batch sizes")
+    parser.add_argument("--steps", type=int, default=4, help="decode steps per batch size")
     parser.add_argument("--backend", default="auto", choices=backends.BACKENDS)
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per batch size")
-    parser.add_argument("--rows", type=int, default=2, help="rows of routing to print per batch")
+    parser.add_argument("--rows", type=int, default=2, help="rows of routing to print after the last step")
+    parser.add_argument("--small", action="store_true",
+                        help=f"a scaled-down model (hidden {SMALL.hidden}, {SMALL.experts} experts) for a quick run")
     args = parser.parse_args(argv)
+    for name in ("steps", "rows"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if min(args.batch) < 1:
+        parser.error(f"--batch sizes must be >= 1, got {args.batch}")
 
-    cfg = mf.KIMI_K3
+    cfg = SMALL if args.small else mf.KIMI_K3
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; backend={args.backend!r} -> "
           + ", ".join(f"{s}: {backends.stage(s, args.backend).__module__.split('.')[-1]}"
                       for s in ("front_gemm", "route", "shared_expert", "plan")))
-    print(f"Kimi-K3 front: hidden {cfg.hidden}, {cfg.experts} experts, top-{cfg.top_k}, "
-          f"latent {cfg.latent}, shared {cfg.shared}; seeded random weights (key 0)")
-    params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg), cfg)
-    step = jax.jit(lambda x, p: mf.moe_front(x, p, plan=True, backend=args.backend))
+    print(f"{'Scaled-down' if args.small else 'Kimi-K3'} front: hidden {cfg.hidden}, {cfg.experts} experts, top-{cfg.top_k}, "
+          f"latent {cfg.latent}, shared {cfg.shared}; seeded random weights (nnx.Rngs(0))")
+    model = DecodeModel(cfg, args.backend, nnx.Rngs(0))
+    bias = model.front.gate.e_score_correction_bias[...]
+    step = nnx.jit(lambda model, tokens: model(tokens))
 
     failed = False
     for batch in args.batch:
-        x = jax.random.normal(jax.random.key(batch), (batch, cfg.hidden)).astype(jnp.bfloat16)
-        out = jax.block_until_ready(step(x, params))  # compile and warm up
+        tokens = jax.random.randint(jax.random.key(batch), (batch,), 0, VOCAB, jnp.int32)
+        print(f"\nB={batch}: {args.steps} decode steps")
         times = []
-        for _ in range(args.repeats):
+        for i in range(args.steps):
             start = time.perf_counter()
-            jax.block_until_ready(step(x, params))
-            times.append(time.perf_counter() - start)
-        print(f"\nB={batch}: {1e6 * np.median(times):.0f} us per call (median of {args.repeats}, "
-              f"host clock, dispatch included); latent norm {float(jnp.linalg.norm(out.latent.astype(jnp.float32))):.2f}")
+            out, tokens = jax.block_until_ready(step(model, tokens))
+            elapsed = time.perf_counter() - start
+            times.append(elapsed)
+            failures = invariant_failures(out, bias, cfg, batch)
+            failed |= bool(failures)
+            top = " ".join(f"{e}:{w:.3f}" for e, w in zip(np.asarray(out.ids[0, :4]).tolist(),
+                                                          np.asarray(out.weights[0, :4], np.float32).tolist()))
+            shown = " ".join(map(str, np.asarray(tokens[:6]).tolist())) + (" ..." if batch > 6 else "")
+            latent_norm = float(jnp.linalg.norm(out.latent.astype(jnp.float32)))
+            print(f"  step {i + 1}/{args.steps}: {1e3 * elapsed:8.2f} ms{' (compile)' if i == 0 else '          '}"
+                  f"  row 0 experts {top} ...  latent norm {latent_norm:.2f}  next tokens {shown}  "
+                  + ("invariants hold" if not failures else "INVARIANTS BROKEN"))
+            for f in failures:
+                print(f"    INVARIANT BROKEN: {f}")
+        if args.steps > 1:
+            print(f"  {1e6 * np.median(times[1:]):.0f} us per step after compiling (median of "
+                  f"{args.steps - 1}, host clock, dispatch and the stand-in layer included)")
         for r in range(min(args.rows, batch)):
             pairs = " ".join(f"{e}:{w:.3f}" for e, w in
                              zip(np.asarray(out.ids[r]).tolist(), np.asarray(out.weights[r], np.float32).tolist()))
-            print(f"  row {r}: {pairs}")
-        failures = invariant_failures(out, params.bias, cfg, batch)
-        for f in failures:
-            print(f"  INVARIANT BROKEN: {f}")
-        failed |= bool(failures)
+            print(f"  last step, row {r}: {pairs}")
     print("\nall invariants hold" if not failed else "\nsome invariants are broken")
     return 1 if failed else 0
 

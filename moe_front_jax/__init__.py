@@ -6,11 +6,13 @@ shared expert beside it; an MXFP8 copy of the latent for the routed experts. See
 contract and README.md for usage.
 """
 
-from moe_front_jax import reference
+from moe_front_jax import nn, reference
 from moe_front_jax.api import FrontOutput, moe_front, route
 from moe_front_jax.bridge.mailbox import Mailbox
+from moe_front_jax.checkpoint import load_params, load_weights
 from moe_front_jax.config import KIMI_K3, FrontConfig
 from moe_front_jax.params import FrontParams, init_weights, pack_params
+from moe_front_jax.parallel import shard_params
 
 __all__ = [
     "KIMI_K3",
@@ -19,8 +21,12 @@ __all__ = [
     "FrontParams",
     "Mailbox",
     "init_weights",
+    "load_params",
+    "load_weights",
     "moe_front",
+    "nn",
     "pack_params",
     "reference",
     "route",
+    "shard_params",
 ]

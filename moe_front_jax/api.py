@@ -7,10 +7,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_front_jax import backends
+from moe_front_jax import backends, parallel
 from moe_front_jax.bridge import mailbox as mailboxes
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import FrontParams
+
+
+_MAILBOX_TP = (
+    "mailbox= runs on one device (tp=1) for now; the cross-rank mailbox exchange arrives with issue "
+    "#9. Under tensor parallelism call moe_front without a mailbox: the ranks exchange logits and "
+    "latent through one all-gather."
+)
 
 
 class FrontOutput(NamedTuple):
@@ -78,17 +85,25 @@ def moe_front(
     *,
     plan: bool = False,
     backend: str = "auto",
+    axis_name: str | None = None,
+    shared_reduce: str = "psum",
     mailbox: mailboxes.Mailbox | None = None,
 ) -> FrontOutput | tuple[FrontOutput, mailboxes.Mailbox]:
     """The MoE front of one decode step: front GEMM, exact top-k routing, latent, shared expert.
 
     Args:
       x: ``[B, H]`` bfloat16 decode rows, ``B >= 1``.
-      params: ``FrontParams`` from ``pack_params``.
+      params: ``FrontParams`` from ``pack_params``, or from ``shard_params`` (then the call runs under
+        ``jax.shard_map`` over the params' mesh), or one rank's params with ``axis_name``.
       plan: also return the MXFP8 copy of the latent (``FrontOutput.plan``).
       backend: ``"auto"`` (Pallas kernels on a GPU, the XLA reference elsewhere), ``"xla"``,
         ``"pallas"`` or ``"interpret"`` (the Pallas kernels in interpret mode).
-      mailbox: a ``Mailbox``: the logits and latent shard travel through it (published, polled,
+      axis_name: inside the caller's own ``jax.shard_map``: the mesh axis of the ``params.cfg.tp``
+        ranks, ``params`` being this rank's (with Pallas kernels that ``shard_map`` needs
+        ``check_vma=False``). See ``moe_front_jax.parallel``.
+      shared_reduce: how the ranks' shared-expert partial sums are reduced: ``"psum"`` (``shared``
+        ``[B, H]`` on every rank) or ``"psum_scatter"`` (each rank's ``H/tp`` hidden columns).
+      mailbox: a ``Mailbox`` (one device, tp=1): the logits and latent shard travel through it (published, polled,
         copied out, re-armed; SPEC section 7) before routing. Donate it: ``jax.jit(moe_front,
         donate_argnames="mailbox")``. Its path canonicalizes -0 logits and latent values to +0
         (``moe_front_jax.bridge.mailbox`` says why routing is unaffected).
@@ -99,7 +114,10 @@ def moe_front(
 
     Raises:
       ValueError: at trace time, for a wrong shape or dtype of ``x`` or ``params``, an empty batch,
-        an unknown backend, or a mailbox laid out for another config or too small for the batch.
+        an unknown backend or shared_reduce, an ``axis_name`` that disagrees with the params, or a
+        mailbox laid out for another config or too small for the batch.
+      NotImplementedError: a mailbox together with tensor parallelism (the cross-rank mailbox
+        exchange arrives with issue #9; without a mailbox the ranks exchange through one all-gather).
 
     Example::
 
@@ -109,9 +127,21 @@ def moe_front(
       out.ids, out.weights                         # [B, 16] int32, [B, 16] bfloat16
     """
     backends.check_backend(backend)
+    parallel.check_shared_reduce(shared_reduce)
+    options = dict(plan=plan, backend=backend, shared_reduce=shared_reduce)
+    if axis_name is None and isinstance(params, FrontParams) and params.mesh is not None:
+        if mailbox is not None:
+            raise NotImplementedError(_MAILBOX_TP)
+        parallel.check_sharded_params(params)
+        check_rows(x, params.cfg)
+        return FrontOutput(*parallel.sharded_front(x, params, **options))
     check_params(params)
     cfg = params.cfg
     check_rows(x, cfg)
+    if axis_name is not None:
+        if mailbox is not None:
+            raise NotImplementedError(_MAILBOX_TP)
+        return FrontOutput(*parallel.rank_front(x, params, axis_name, **options))
     if mailbox is not None:
         mailboxes.check_mailbox(mailbox, cfg, x.shape[0])
     if cfg.tp != 1:
@@ -119,9 +149,17 @@ def moe_front(
             f"params are one rank's shard of tp={cfg.tp}; call moe_front inside jax.shard_map with "
             "axis_name=..., or pass the output of shard_params"
         )
-    gemm = backends.stage("front_gemm", backend)
-    logits, latent = gemm(x, params.packed, params.split, cfg.experts_per_rank)
     status = jnp.zeros((), jnp.int32)
+    planned = None
+    if plan and mailbox is None:
+        # The kernel writes the plan from the GEMM's epilogue: no second pass over the latent.
+        gemm = backends.stage("front_gemm_plan", backend)
+        logits, latent, planned = gemm(
+            x, params.packed, params.split, cfg.experts_per_rank, cfg.plan_block
+        )
+    else:
+        gemm = backends.stage("front_gemm", backend)
+        logits, latent = gemm(x, params.packed, params.split, cfg.experts_per_rank)
     if mailbox is not None:
         logits, latent, status, mailbox = mailboxes.exchange(mailbox, logits, latent, backend=backend)
     ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
@@ -130,7 +168,9 @@ def moe_front(
         shared = backends.stage("shared_expert", backend)(
             x, params.gate_up, params.down, cfg, jnp.bfloat16
         )
-    planned = backends.stage("plan", backend)(latent, cfg.plan_block) if plan else None
+    if plan and planned is None:
+        # Through the mailbox the plan is of the latent as collected (a bf16 -0 arrives as +0).
+        planned = backends.stage("plan", backend)(latent, cfg.plan_block)
     out = FrontOutput(ids, weights, latent, logits, shared, planned, status)
     return out if mailbox is None else (out, mailbox)
 

@@ -3,6 +3,8 @@
 Stages and their signatures (every implementation of a stage takes the same arguments):
 
 - ``front_gemm(x, packed, split, valid) -> (logits f32 [B, valid], latent_shard bf16 [B, n - split])``
+- ``front_gemm_plan(x, packed, split, valid, block) -> (logits, latent_shard, (values, scales))``: the
+  front GEMM and the MXFP8 plan of its latent shard, which the kernel writes from the GEMM's epilogue
 - ``route(logits, bias, cfg) -> (ids int32 [B, K], weights bf16 [B, K])``
 - ``plan(latent, block) -> (values float8_e4m3fn [B, L], scales float8_e8m0fnu [B, L / block])``
 - ``shared_expert(x, gate_up, down, cfg, out_dtype) -> [B, H]``
@@ -26,6 +28,7 @@ BACKENDS = ("auto", "xla", "pallas", "interpret")
 
 REFERENCE: dict[str, Callable] = {
     "front_gemm": reference.front_gemm,
+    "front_gemm_plan": reference.front_gemm_plan,
     "route": reference.route,
     "plan": reference.mxfp8_plan,
     "shared_expert": reference.shared_expert,
@@ -33,9 +36,11 @@ REFERENCE: dict[str, Callable] = {
 
 # stage -> "module:function" of its Pallas kernel, which takes the stage's arguments plus a keyword
 # ``interpret: bool``. A stage missing here has no kernel yet: PENDING says which issue brings it.
-KERNELS: dict[str, str] = {}
+KERNELS: dict[str, str] = {
+    "front_gemm": "moe_front_jax.pallas.front_gemm:front_gemm",
+    "front_gemm_plan": "moe_front_jax.pallas.front_gemm:front_gemm_plan",
+}
 PENDING: dict[str, str] = {
-    "front_gemm": "issue #4 (the weight-stationary front GEMM)",
     "route": "issue #3 (the exact top-k routing kernel)",
     "plan": "issue #7 (the MXFP8 plan and shared expert kernels)",
     "shared_expert": "issue #7 (the MXFP8 plan and shared expert kernels)",

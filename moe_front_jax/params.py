@@ -125,6 +125,8 @@ class FrontParams:
       down: ``[H, S/tp]`` bfloat16, the rank's down-projection columns; None without a shared expert.
       cfg: the model config, ``cfg.tp`` the number of ranks.
       split: first latent row of ``packed``.
+      mesh, axis: set by ``shard_params``: the arrays are then global, each device of mesh axis
+        ``axis`` holding its rank's block (``moe_front_jax.parallel``); None for one rank's params.
     """
 
     packed: jax.Array
@@ -133,6 +135,10 @@ class FrontParams:
     down: jax.Array | None
     cfg: FrontConfig = dataclasses.field(metadata=dict(static=True))
     split: int = dataclasses.field(metadata=dict(static=True))
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = dataclasses.field(
+        default=None, metadata=dict(static=True)
+    )
+    axis: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def has_shared(self) -> bool:

@@ -39,6 +39,18 @@ def front_gemm(
     return y[:, :valid], y[:, split:].astype(jnp.bfloat16)
 
 
+def front_gemm_plan(
+    x: jax.Array, packed: jax.Array, split: int, valid: int, block: int = 32
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
+    """``front_gemm`` and the MXFP8 plan of its latent shard (SPEC sections 3 and 5).
+
+    Returns:
+      ``(logits, latent_shard, mxfp8_plan(latent_shard, block))``.
+    """
+    logits, latent = front_gemm(x, packed, split, valid)
+    return logits, latent, mxfp8_plan(latent, block)
+
+
 def ordered_key(value: jax.Array) -> jax.Array:
     """Monotone uint32 image of float32 ``value``; NaN maps to 0, below every number.
 

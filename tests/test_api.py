@@ -171,3 +171,9 @@ def test_missing_kernel_names_its_issue(monkeypatch):
     assert backends.stage("route", "auto") is backends.REFERENCE["route"]
     with pytest.raises(ValueError, match="unknown stage 'topk'"):
         backends.stage("topk", "xla")
+
+
+def test_mailbox_with_tensor_parallelism_is_refused():
+    box = mf.Mailbox.create(SMALL, capacity=4)
+    with pytest.raises(NotImplementedError, match="mailbox= runs on one device"):
+        mf.moe_front(rows(1), small_params(), axis_name="tp", mailbox=box)

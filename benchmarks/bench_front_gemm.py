@@ -1,0 +1,108 @@
+"""Benchmark the Pallas front GEMM beside XLA on the GPU (CUPTI kernel time, weights rotated past L2).
+
+  python benchmarks/bench_front_gemm.py --out $OUT
+
+For tp in {1, 2, 4, 8} and B in {1, 8, 16, 32, 64, 128, 256}: the kernel (tuning-table schedule),
+the kernel with the MXFP8 plan from its epilogue, XLA's ``dot_general`` over the packed weight, and
+the XLA reference stage (dot, slice, cast); effective TB/s over the weight bytes the kernel reads,
+the floor at the measured read ceiling, and the ratio XLA / kernel. Then the whole front at tp1
+(front GEMM + routing inside one jit) against the GEMM alone. The table prints last; the full results
+go to $OUT/bench_front_gemm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+import moe_front_jax as mf
+from moe_front_jax import backends, reference
+from moe_front_jax.pallas import front_gemm as fg
+from front_gemm_timing import Shape, cupti_us_per_call, decode_rows, packed_weights, tbs, xla_dot
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--tps", default="1,2,4,8")
+    parser.add_argument("--batches", default="1,8,16,32,64,128,256")
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)
+    tps, batches = list(map(int, args.tps.split(","))), list(map(int, args.batches.split(",")))
+    shapes = {tp: Shape.k3(tp) for tp in tps}
+    weights = {tp: packed_weights(shape) for tp, shape in shapes.items()}
+    xs = {batch: decode_rows(batch, 7168) for batch in batches}
+    variants = {
+        "us": lambda s: lambda x, w: fg.front_gemm(x, w, s.split, s.valid),
+        "plan_us": lambda s: lambda x, w: fg.front_gemm_plan(x, w, s.split, s.valid),
+        "xla_dot_us": lambda s: xla_dot,
+        "xla_stage_us": lambda s: lambda x, w: reference.front_gemm(x, w, s.split, s.valid),
+    }
+    keys = [(tp, batch, name) for tp in tps for batch in batches for name in variants]
+
+    def compile_one(key):
+        tp, batch, name = key
+        fn = jax.jit(variants[name](shapes[tp]))
+        return fn.lower(xs[batch], weights[tp][0]).compile()
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        compiled = dict(zip(keys, pool.map(compile_one, keys)))
+    rows = []
+    for tp in tps:
+        shape = shapes[tp]
+        for batch in batches:
+            row = dict(tp=tp, batch=batch, floor_us=shape.floor_us(),
+                       config=str(fg.pick_config(shape.valid, shape.shard, shape.hidden, batch)))
+            for name in variants:
+                row[name], kernels = cupti_us_per_call(compiled[tp, batch, name], xs[batch], weights[tp])
+                row[name.replace("us", "kernels")] = kernels
+            row["tbs"] = tbs(shape.weight_bytes, row["us"])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    # The whole front at tp1: GEMM + routing (the routing kernel where one is registered).
+    cfg = mf.KIMI_K3
+    shape = Shape.k3(1)
+    weights = weights.get(1) or packed_weights(shape)
+    bias = jax.random.uniform(jax.random.key(3), (cfg.experts,), jnp.float32, -0.05, 0.05)
+    route = backends.stage("route", "auto")
+    route_name = f"{route.func.__module__}" if hasattr(route, "func") else "xla reference"
+    fronts = []
+    for batch in batches:
+        x = xs[batch]
+
+        def front(x, w):
+            logits, latent = fg.front_gemm(x, w, shape.split, shape.valid)
+            ids, weights_ = route(logits, bias, cfg)
+            return ids, weights_, latent
+
+        gemm_us = next(r["us"] for r in rows if r["tp"] == 1 and r["batch"] == batch) if any(
+            r["tp"] == 1 and r["batch"] == batch for r in rows) else None
+        us, kernels = cupti_us_per_call(jax.jit(front), x, weights)
+        fronts.append(dict(batch=batch, us=us, gemm_us=gemm_us, kernels=kernels, route=route_name))
+        print(json.dumps(fronts[-1]), flush=True)
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_front_gemm.json"), "w") as f:
+        json.dump(dict(device=device.device_kind, gemm=rows, front=fronts), f, indent=1)
+    print(f"\n{'tp':>3} {'B':>4} {'kernel':>8} {'TB/s':>6} {'floor':>6} {'x floor':>7} "
+          f"{'+plan':>7} {'xla dot':>8} {'xla/k':>6} {'xla stage':>9}   (us)")
+    for r in rows:
+        print(f"{r['tp']:>3} {r['batch']:>4} {r['us']:>8.2f} {r['tbs']:>6.2f} {r['floor_us']:>6.2f} "
+              f"{r['us'] / r['floor_us']:>7.2f} {r['plan_us'] - r['us']:>+7.2f} "
+              f"{r['xla_dot_us']:>8.2f} {r['xla_dot_us'] / r['us']:>6.2f} {r['xla_stage_us']:>9.2f}")
+    print(f"\nwhole front at tp1 (GEMM + route: {route_name})")
+    for r in fronts:
+        ratio = f"{r['us'] / r['gemm_us']:.2f}x the GEMM" if r["gemm_us"] else ""
+        print(f"  B={r['batch']:>3}: {r['us']:.2f} us  {ratio}  kernels: {', '.join(r['kernels'])}")
+
+
+if __name__ == "__main__":
+    main()

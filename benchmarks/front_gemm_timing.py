@@ -1,0 +1,110 @@
+"""Shared pieces of the front-GEMM tuner and benchmark (GPU only): shapes, rotated weights, CUPTI.
+
+Times are CUPTI kernel times (every kernel a call launches, summed), per call, over weight copies
+rotated past the 60 MB L2: each call reads a weight no earlier call left in cache, as a decode step
+reads each layer's weight once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import moe_front_jax as mf
+from moe_front_jax import params as mfp
+
+ROTATION_BYTES = 256 << 20
+"""Weight copies per shape add up to at least this (over 4x the L2)."""
+READ_CEILING_TBS = 4.65
+"""Measured HBM read ceiling of the H200 (GPU.md): the floor is the weight bytes over it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One rank's front GEMM for K3 at ``tp``."""
+
+    tp: int
+    valid: int
+    split: int
+    shard: int
+    hidden: int
+
+    @classmethod
+    def k3(cls, tp: int) -> Shape:
+        cfg = mf.KIMI_K3.with_tp(tp)
+        valid, shard = cfg.experts_per_rank, cfg.latent_per_rank
+        return cls(tp, valid, mfp.padded_split(valid), shard, cfg.hidden)
+
+    @property
+    def rows(self) -> int:
+        return self.split + self.shard
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a kernel that skips the padding rows reads (the floor's numerator)."""
+        return 2 * (self.valid + self.shard) * self.hidden
+
+    @property
+    def packed_bytes(self) -> int:
+        return 2 * self.rows * self.hidden
+
+    def floor_us(self) -> float:
+        return self.weight_bytes / (READ_CEILING_TBS * 1e12) * 1e6
+
+
+def packed_weights(shape: Shape, seed: int = 0) -> list[jax.Array]:
+    """Copies of a random packed weight ``[rows, H]`` (normal / sqrt(H), zero padding rows), enough of
+    them to exceed ``ROTATION_BYTES``; each copy is a distinct buffer with distinct values."""
+    copies = max(2, -(-ROTATION_BYTES // shape.packed_bytes))
+    key = jax.random.key(seed)
+    pad = jnp.arange(shape.rows)
+    pad = ((pad < shape.valid) | (pad >= shape.split))[:, None]
+
+    @jax.jit
+    def one(k):
+        w = jax.random.normal(k, (shape.rows, shape.hidden), jnp.float32) / np.sqrt(shape.hidden)
+        return jnp.where(pad, w, 0).astype(jnp.bfloat16)
+
+    return [one(k) for k in jax.random.split(key, copies)]
+
+
+def decode_rows(batch: int, hidden: int, seed: int = 1) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), (batch, hidden), jnp.float32).astype(jnp.bfloat16)
+
+
+def cupti_us_per_call(fn, x, weights, rounds: int = 2) -> tuple[float, list[str]]:
+    """Median over calls of the summed CUPTI kernel time of ``fn(x, w)``, rotating ``weights``.
+
+    ``fn`` is compiled; it is called ``rounds * len(weights)`` times. Returns (microseconds, the names
+    of the kernels one call launches).
+    """
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # GPU jaxlib only
+
+    jax.block_until_ready(fn(x, weights[0]))
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    calls = rounds * len(weights)
+    ext._cupti_init()
+    try:
+        outs = [fn(x, weights[i % len(weights)]) for i in range(calls)]
+        jax.block_until_ready(outs)
+    finally:
+        timings = ext._cupti_get_timings(True)
+    if not timings or len(timings) % calls:
+        raise RuntimeError(f"{len(timings or [])} kernels over {calls} calls")
+    per = len(timings) // calls
+    sums = [sum(t for _, t in timings[i * per:(i + 1) * per]) for i in range(calls)]
+    return statistics.median(sums) * 1e3, [name for name, _ in timings[:per]]
+
+
+def xla_dot(x, w):
+    """XLA's ``dot_general`` over the packed weight, bf16 x bf16 -> f32 (GPU.md's anchor)."""
+    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def tbs(nbytes: int, us: float) -> float:
+    return nbytes / (us * 1e-6) / 1e12

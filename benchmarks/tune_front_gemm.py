@@ -1,0 +1,253 @@
+"""Regenerate the front GEMM's tuning table on the GPU: pallas/tuning/<device>_front_gemm.json.
+
+For every tp shape of K3 and every padded batch (16 ... 256) it compiles a pruned set of schedules
+(rows per program, K step, split-K, warps, pipeline depth), checks each against XLA's product on the
+same data, times the correct ones with CUPTI over weights rotated past the L2, and keeps the fastest.
+
+  python benchmarks/tune_front_gemm.py --out $OUT [--table pallas/tuning/h200_front_gemm.json]
+
+Prints one line per (tp, batch) last; the full results go to $OUT/tune_front_gemm.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_front_jax import reference
+from moe_front_jax.pallas import front_gemm as fg
+from front_gemm_timing import Shape, cupti_us_per_call, decode_rows, packed_weights, tbs, xla_dot
+
+SMEM_BUDGET = 200 * 1024
+"""Pipeline buffers per program stay under this (an H200 SM has 227 KiB of shared memory)."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(shape: Shape, bp: int, cores: int = 132) -> list[fg.FrontGemmConfig]:
+    """The schedules worth timing for one shape and padded batch.
+
+    Rows per program 32, 64, 128 (and 16 for small batches of the small shards); for each, the
+    smallest split-K that gives every SM a program and the smallest that gives two; a K step of 128
+    or 256 (64 too for the small shards, for finer splits; 64 or 128 at large batches, whose x tile
+    is wide); the deepest pipeline that fits the shared memory; 4 warps for small tiles, 8 for large.
+    """
+    out = []
+    few_rows = shape.valid + shape.shard < 2 * cores * 16  # tp >= 2: split K finely
+    for bn in ((16, 32, 64, 128) if bp <= 32 and few_rows else (32, 64, 128)):
+        tiles = -(-shape.valid // bn) + -(-shape.shard // bn)
+        for bk in ((64, 128, 256) if few_rows else (128, 256)) if bp <= 64 else (64, 128):
+            steps = shape.hidden // bk
+            splits = [s for s in divisors(steps) if s <= 28 and steps // s >= 2]
+            chosen = []
+            for target in (cores, 2 * cores):
+                fit = [s for s in splits if tiles * s >= target]
+                if fit and fit[0] not in chosen:
+                    chosen.append(fit[0])
+            if not chosen:
+                chosen = [splits[-1]]
+            warps = 4 if bn * bp <= 64 * 64 else 8
+            per_stage = 2 * bk * (bn + bp)
+            deepest = min(6, SMEM_BUDGET // per_stage)
+            for s in chosen:
+                depth = min(deepest, shape.hidden // (s * bk))
+                if depth >= 2:
+                    out.append(fg.FrontGemmConfig(bn, bk, s, warps, depth))
+    return out
+
+
+def check(got_logits, got_latent, ref) -> str | None:
+    """None when the kernel's outputs match XLA's float32 product closely, else what differs.
+
+    Relative to the row's largest value: both sides accumulate in float32 in different orders.
+    """
+    y = np.asarray(ref, np.float64)
+    logits = np.asarray(got_logits, np.float64)
+    latent = np.asarray(got_latent.astype(jnp.float32), np.float64)
+    scale = np.abs(y).max(axis=1, keepdims=True) + 1e-30
+    err_l = (np.abs(logits - y[:, :logits.shape[1]]) / scale).max()
+    err_t = (np.abs(latent - y[:, -latent.shape[1]:]) / scale).max()
+    if err_l > 3e-5 or err_t > 2 ** -7:
+        return f"mismatch: logits {err_l:.2e}, latent {err_t:.2e} of the row's max"
+    return None
+
+
+def ranked(results: list[dict], tp: int, bp: int) -> list[fg.FrontGemmConfig]:
+    """The schedules measured for (tp, bp), fastest first."""
+    rows = sorted((r for r in results if r["tp"] == tp and r["batch"] == bp and "us" in r
+                   and not r.get("plan")), key=lambda r: r["us"])
+    return [fg.FrontGemmConfig(**r["config"]) for r in rows]
+
+
+def neighbours(ranked_configs: list[fg.FrontGemmConfig], bp: int) -> list[fg.FrontGemmConfig]:
+    """The two fastest schedules of an earlier run, and the fastest with the other warp count and
+    with a two-stage deeper pipeline (where shared memory allows)."""
+    out = ranked_configs[:2]
+    if out:
+        best = out[0]
+        out.append(dataclasses.replace(best, num_warps=12 - best.num_warps))
+        deeper = best.num_stages + 2
+        if 2 * best.block_k * (best.block_rows + bp) * deeper <= SMEM_BUDGET:
+            out.append(dataclasses.replace(best, num_stages=deeper))
+    return list(dict.fromkeys(out))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--table", default=None, help="write the table here")
+    parser.add_argument("--tps", default="1,2,4,8")
+    parser.add_argument("--batches", default="16,32,64,128,256")
+    parser.add_argument("--refine", default=None,
+                        help="an earlier run's tune_front_gemm.json: time its best schedules per key "
+                             "and their neighbours (and the plan over its four best) instead "
+                             "of the sweep")
+    parser.add_argument("--budget-s", type=float, default=240.0)
+    parser.add_argument("--workers", type=int, default=12)
+    args = parser.parse_args()
+    start = time.time()
+    device = jax.devices()[0]
+    kind = device.device_kind
+    print("device", kind, "cores", getattr(device, "core_count", None), flush=True)
+
+    shapes = {tp: Shape.k3(tp) for tp in map(int, args.tps.split(","))}
+    batches = list(map(int, args.batches.split(",")))
+    previous = json.load(open(args.refine))["results"] if args.refine else None
+    per_key = [
+        [(tp, bp, cfg) for cfg in (neighbours(ranked(previous, tp, bp), bp) if previous
+                                   else candidates(shape, bp))]
+        for tp, shape in shapes.items()
+        for bp in batches
+    ]
+    # Round robin over (tp, batch), so that a run cut short by its budget covers every key.
+    jobs = [lst[i] for i in range(max(map(len, per_key))) for lst in per_key if i < len(lst)]
+    print(f"{len(jobs)} variants", flush=True)
+
+    weights = {tp: packed_weights(shape) for tp, shape in shapes.items()}
+    xs = {bp: decode_rows(bp, 7168) for bp in batches}
+    xla = {}
+    for tp, shape in shapes.items():
+        for bp, x in xs.items():
+            f = jax.jit(xla_dot)
+            us, _ = cupti_us_per_call(f, x, weights[tp])
+            xla[(tp, bp)] = dict(us=us, ref=f(x, weights[tp][0]))
+            print(f"xla tp{tp} B{bp}: {us:.2f} us", flush=True)
+
+    def compile_one(job, plan=False):
+        tp, bp, cfg = job
+        shape = shapes[tp]
+        gemm = fg.front_gemm_plan if plan else fg.front_gemm
+        fn = jax.jit(lambda x, w: gemm(x, w, shape.split, shape.valid, config=cfg))
+        return fn.lower(xs[bp], weights[tp][0]).compile()
+
+    def measure(jobs, plan):
+        results = []
+        deadline = time.time() + args.budget_s
+        with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
+            futures = [(job, pool.submit(compile_one, job, plan)) for job in jobs]
+            for job, future in futures:
+                tp, bp, cfg = job
+                row = dict(tp=tp, batch=bp, plan=plan, config=dataclasses.asdict(cfg))
+                if time.time() > deadline:
+                    future.cancel()
+                    row["error"] = "skipped: time budget"
+                    results.append(row)
+                    continue
+                try:
+                    fn = future.result()
+                    out = fn(xs[bp], weights[tp][0])
+                    bad = check(out[0], out[1], xla[(tp, bp)]["ref"])
+                    if plan and not bad:
+                        want = jax.jit(reference.mxfp8_plan)(out[1])
+                        if not all((np.asarray(a).view(np.uint8) == np.asarray(b).view(np.uint8)).all()
+                                   for a, b in zip(out[2], want)):
+                            bad = "plan differs from reference.mxfp8_plan of the latent"
+                    if bad:
+                        row["error"] = bad
+                    else:
+                        us, kernels = cupti_us_per_call(fn, xs[bp], weights[tp])
+                        row.update(us=us, kernels=kernels, tbs=tbs(shapes[tp].weight_bytes, us))
+                except Exception as e:  # a variant that fails is recorded, not fatal
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    traceback.print_exc(limit=1)
+                results.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+        return results
+
+    def fastest(results):
+        best = {}
+        for row in results:
+            key = (row["tp"], row["batch"])
+            if "us" in row and (key not in best or row["us"] < best[key]["us"]):
+                best[key] = row
+        return best
+
+    results = measure(jobs, plan=False)
+    best = fastest(results)
+    # The plan epilogue changes the kernel's registers and tail: its schedule is tuned apart, over
+    # the four fastest plain schedules of each key.
+    plan_jobs = []
+    for tp, bp in best:
+        configs = ranked(previous or results, tp, bp)[:4]
+        configs = [dataclasses.replace(c, block_rows=max(c.block_rows, 32)) for c in configs]
+        plan_jobs += [(tp, bp, c) for c in dict.fromkeys(configs)]
+    plan_results = measure(plan_jobs, plan=True)
+    plan_best = fastest(plan_results)
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tune_front_gemm.json"), "w") as f:
+        json.dump(dict(device=kind, results=results + plan_results,
+                       xla={f"tp{t},B{b}": v["us"] for (t, b), v in xla.items()}), f, indent=1)
+    entries = {}
+    for (tp, bp), row in sorted(best.items()):
+        shape = shapes[tp]
+        key = fg.table_key(shape.valid, shape.shard, shape.hidden, bp)
+        entries[key] = dict(tp=tp, config=row["config"], us=round(row["us"], 3),
+                            xla_us=round(xla[(tp, bp)]["us"], 3))
+        if (tp, bp) in plan_best:
+            entries[key].update(plan_config=plan_best[(tp, bp)]["config"],
+                                plan_us=round(plan_best[(tp, bp)]["us"], 3))
+    table = dict(
+        device_kind=kind,
+        generated=time.strftime("%Y-%m-%d"),
+        command="python benchmarks/tune_front_gemm.py --table pallas/tuning/h200_front_gemm.json"
+                + (" --refine <an earlier run's tune_front_gemm.json>" if previous else ""),
+        entries=entries,
+    )
+    for path in filter(None, [args.table, os.path.join(args.out, os.path.basename(
+            fg.TABLE_FILES.get(kind, "front_gemm_table.json")))]):
+        with open(path, "w") as f:
+            json.dump(table, f, indent=1)
+            f.write("\n")
+    print(f"\n{'tp':>3} {'B':>4} {'kernel us':>10} {'TB/s':>6} {'xla us':>8} {'xla/k':>6} "
+          f"{'plan us':>8}  config | plan config")
+    for (tp, bp), row in sorted(best.items()):
+        x_us = xla[(tp, bp)]["us"]
+        c = row["config"]
+        p = plan_best.get((tp, bp))
+        pc = p["config"] if p else {}
+        print(f"{tp:>3} {bp:>4} {row['us']:>10.2f} {row['tbs']:>6.2f} {x_us:>8.2f} "
+              f"{x_us / row['us']:>6.2f} {p['us'] if p else float('nan'):>8.2f}  "
+              f"bn{c['block_rows']} bk{c['block_k']} s{c['split_k']} w{c['num_warps']} "
+              f"st{c['num_stages']} | bn{pc.get('block_rows')} bk{pc.get('block_k')} "
+              f"s{pc.get('split_k')} w{pc.get('num_warps')} st{pc.get('num_stages')}")
+    failed = sum("error" in r for r in results + plan_results)
+    print(f"{len(results) + len(plan_results)} variants, {failed} failed or skipped, "
+          f"{time.time() - start:.0f} s")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""Loading the MoE front's weights from safetensors checkpoints.
+
+A checkpoint stores a layer's weights under the model's names behind a layer prefix, for example
+``model.layers.3.mlp.gate.weight``. ``load_weights`` finds the keys of SPEC.md section 2 behind a prefix,
+in one file, a list of files, or a directory (through its ``model.safetensors.index.json`` when there is
+one), checks every shape and dtype from the files' headers before reading any data, and returns the
+weights dict that ``pack_params`` and ``mf.nn.MoEFront`` take.
+
+Example::
+
+  cfg = mf.KIMI_K3
+  weights = mf.load_weights("/ckpt/kimi-k3", cfg, prefix="model.layers.3.mlp.")
+  params = mf.pack_params(weights, cfg)              # or mf.load_params(...) in one step
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # registers bfloat16 with numpy, which safetensors' numpy reader needs
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from safetensors import SafetensorError, safe_open
+
+from moe_front_jax import parallel
+from moe_front_jax import params as P
+from moe_front_jax.config import FrontConfig
+
+INDEX = "model.safetensors.index.json"
+"""The index a sharded Hugging Face checkpoint keeps beside its files: ``{"weight_map": {key: file}}``."""
+
+SAFETENSORS_DTYPES = {"BF16": jnp.bfloat16, "F32": jnp.float32}
+"""safetensors' dtype names of the dtypes the front's weights have (SPEC section 2)."""
+
+PathLike = str | os.PathLike
+
+
+def checkpoint_files(paths_or_dir: PathLike | Iterable[PathLike]) -> dict[str, Path]:
+    """Map every tensor key of a checkpoint to the file that holds it.
+
+    Args:
+      paths_or_dir: a ``.safetensors`` file, a list of them, or a directory: through its
+        ``model.safetensors.index.json`` when there is one, else every ``*.safetensors`` in it.
+
+    Raises:
+      ValueError: a path that does not exist, a directory without safetensors files, or a key found in
+        two files.
+    """
+    if isinstance(paths_or_dir, (str, os.PathLike)):
+        root = Path(paths_or_dir)
+        if root.is_dir():
+            index = root / INDEX
+            if index.is_file():
+                weight_map = json.loads(index.read_text())["weight_map"]
+                return {key: root / name for key, name in weight_map.items()}
+            files = sorted(root.glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"paths_or_dir={str(root)!r} holds no *.safetensors file and no {INDEX}")
+        else:
+            files = [root]
+    else:
+        files = [Path(p) for p in paths_or_dir]
+        if not files:
+            raise ValueError("paths_or_dir is an empty list; expected at least one .safetensors file")
+    found: dict[str, Path] = {}
+    for path in files:
+        if not path.is_file():
+            raise ValueError(f"paths_or_dir names {str(path)!r}, which is not a file")
+        for key in _keys(path):
+            if key in found:
+                raise ValueError(f"key {key!r} is in both {str(found[key])!r} and {str(path)!r}")
+            found[key] = path
+    return found
+
+
+def _keys(path: Path) -> list[str]:
+    try:
+        with safe_open(path, framework="numpy") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{str(path)!r} is not a readable safetensors file: {error}") from None
+
+
+def _check_header(path: Path, key: str, shape: tuple[int, ...], dtype) -> None:
+    """Raise a ValueError naming ``key`` unless the file's header gives it ``shape`` and ``dtype``."""
+    if not path.is_file() or key not in _keys(path):
+        raise ValueError(f"checkpoint key {key!r} is not in {str(path)!r}, where the index puts it")
+    with safe_open(path, framework="numpy") as f:
+        tensor = f.get_slice(key)
+        got_shape, got_dtype = tuple(tensor.get_shape()), tensor.get_dtype()
+    if got_shape != shape or SAFETENSORS_DTYPES.get(got_dtype) != dtype:
+        raise ValueError(
+            f"checkpoint key {key!r} in {str(path)!r} is {got_shape} {got_dtype}, "
+            f"expected {shape} {jnp.dtype(dtype)}"
+        )
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(start, stop)`` per dimension of an index ``jax.make_array_from_callback`` passes."""
+    return [s.indices(n)[:2] for s, n in zip(index, shape)]
+
+
+class CheckpointReader:
+    """The front's weights in a checkpoint, checked up front and read a block at a time.
+
+    Construction finds every key behind ``prefix`` and checks its shape and dtype from the file headers
+    (no tensor data is read). ``read`` then reads one block of a weight, so that a device can load its
+    own shard without any other device, or the host, holding the whole weight.
+
+    Args:
+      paths_or_dir: a ``.safetensors`` file, a list of them, or a directory (see ``checkpoint_files``).
+      cfg: the model's sizes.
+      prefix: what stands before the SPEC's key names in the checkpoint, e.g. ``"model.layers.3.mlp."``.
+
+    Attributes:
+      names: the SPEC keys found (the shared expert's two exactly when the checkpoint has them).
+      has_shared: whether the shared expert's keys are there.
+
+    Raises:
+      ValueError: naming the checkpoint key that is missing or has the wrong shape or dtype, or only one
+        of the shared expert's keys.
+    """
+
+    def __init__(self, paths_or_dir: PathLike | Iterable[PathLike], cfg: FrontConfig, prefix: str = ""):
+        if not isinstance(cfg, FrontConfig):
+            raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
+        if not isinstance(prefix, str):
+            raise ValueError(f"prefix must be a str such as 'model.layers.3.mlp.', got {prefix!r}")
+        self.cfg, self.prefix = cfg, prefix
+        self.files = checkpoint_files(paths_or_dir)
+        self.shapes = P.weight_shapes(cfg)
+        names = [name for name in self.shapes if name not in P.SHARED_KEYS]
+        self.has_shared = any(prefix + name in self.files for name in P.SHARED_KEYS)
+        if self.has_shared:
+            names += P.SHARED_KEYS
+        for name in names:
+            key = prefix + name
+            shape, dtype = self.shapes.get(name, (None, None))
+            if shape is None:
+                raise ValueError(
+                    f"checkpoint has shared-expert key {key!r} but FrontConfig.shared is 0"
+                )
+            if key not in self.files:
+                near = sorted(k for k in self.files if k.endswith(name))[:3]
+                hint = f"; keys ending in {name!r}: {near}" if near else ""
+                raise ValueError(
+                    f"checkpoint has no key {key!r} (expected {shape} {jnp.dtype(dtype)}){hint}"
+                )
+            _check_header(self.files[key], key, shape, dtype)
+        self.names = tuple(names)
+
+    def read(self, name: str, bounds: list[tuple[int, int]] | None = None) -> np.ndarray:
+        """Weight ``name`` (a SPEC key), or its block ``[start, stop)`` per dimension, as numpy."""
+        key = self.prefix + name
+        with safe_open(self.files[key], framework="numpy") as f:
+            if bounds is None:
+                return f.get_tensor(key)
+            return f.get_slice(key)[tuple(slice(a, b) for a, b in bounds)]
+
+    def read_array(self, name: str, shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> jax.Array:
+        """Weight ``name`` as a global array of ``sharding``, each device reading only its block.
+
+        ``shape`` is the checkpoint's, or for ``shared_experts.gate_up_proj.weight`` also
+        ``[2, S, H]`` (the gate rows, then the up rows: the layout ``mf.nn.MoEFront`` holds).
+        """
+        stored = self.shapes[name][0]
+        if tuple(shape) == stored:
+            return jax.make_array_from_callback(
+                stored, sharding, lambda index: self.read(name, _bounds(index, stored))
+            )
+        s, h = self.cfg.shared, self.cfg.hidden
+        if name != P.GATE_UP or tuple(shape) != (2, s, h):
+            raise ValueError(f"weight {name!r} is {stored} in the checkpoint; cannot read it as {shape}")
+
+        def gate_up_block(index):
+            (h0, h1), (s0, s1), (c0, c1) = _bounds(index, shape)
+            halves = [self.read(name, [(half * s + s0, half * s + s1), (c0, c1)]) for half in range(h0, h1)]
+            return np.stack(halves)
+
+        return jax.make_array_from_callback(tuple(shape), sharding, gate_up_block)
+
+    def weights(self) -> dict[str, jax.Array]:
+        """Every weight found, whole, on the default device (the SPEC's weights dict)."""
+        return {name: jnp.asarray(self.read(name)) for name in self.names}
+
+
+def load_weights(
+    paths_or_dir: PathLike | Iterable[PathLike], cfg: FrontConfig, prefix: str = ""
+) -> dict[str, jax.Array]:
+    """The front's weights from a safetensors checkpoint, on the default device.
+
+    Args:
+      paths_or_dir: a ``.safetensors`` file, a list of them, or a directory (see ``checkpoint_files``).
+      cfg: the model's sizes; every shape and dtype is checked against it.
+      prefix: what stands before the SPEC's key names in the checkpoint, e.g. ``"model.layers.3.mlp."``.
+
+    Returns:
+      ``{name: array}`` under the keys of SPEC section 2 (``gate.weight`` ``[E, H]`` bf16, ...), with the
+      shared expert's two keys exactly when the checkpoint has them; validated by ``check_weights``.
+
+    Raises:
+      ValueError: naming the checkpoint key that is missing or has the wrong shape or dtype (checked
+        from the file headers, before any data is read), or only one of the shared expert's keys.
+    """
+    weights = CheckpointReader(paths_or_dir, cfg, prefix).weights()
+    P.check_weights(weights, cfg)
+    return weights
+
+
+def load_params(
+    paths_or_dir: PathLike | Iterable[PathLike],
+    cfg: FrontConfig,
+    prefix: str = "",
+    *,
+    mesh: Mesh | None = None,
+    axis: str = "tp",
+) -> P.FrontParams:
+    """A checkpoint straight to ``FrontParams``: for one device, or straight into the tp shards.
+
+    Without a mesh: ``pack_params(load_weights(paths_or_dir, cfg, prefix), cfg)``. With one: the same
+    params as ``shard_params(load_weights(...), cfg, mesh, axis)``, but each device reads only its
+    rank's rows from the files and packs them itself, so no device holds another rank's weights.
+
+    Args:
+      paths_or_dir, cfg, prefix: as for ``load_weights``.
+      mesh: a ``jax.sharding.Mesh`` with ``axis`` (see ``shard_params``), or None.
+      axis: the tensor-parallel mesh axis.
+
+    Raises:
+      ValueError: as ``load_weights``, and as ``shard_params`` for a mesh that does not fit ``cfg``.
+    """
+    if mesh is None:
+        return P.pack_params(load_weights(paths_or_dir, cfg, prefix), cfg)
+    tp = parallel.mesh_tp(cfg, mesh, axis)
+    cfg = cfg.with_tp(tp)
+    reader = CheckpointReader(paths_or_dir, cfg, prefix)
+    valid, shard, s_r, h = cfg.experts_per_rank, cfg.latent_per_rank, cfg.shared_per_rank, cfg.hidden
+    split = P.padded_split(valid)
+    specs = parallel.param_specs(axis)
+
+    def placed(name, shape, block):
+        sharding = NamedSharding(mesh, specs[name])
+        return jax.make_array_from_callback(shape, sharding, lambda index: block(_bounds(index, shape)))
+
+    def packed_block(bounds):
+        (r0, r1), cols = bounds
+        ranks = range(r0 // (split + shard), r1 // (split + shard))
+        blocks = []
+        for r in ranks:
+            blocks += [
+                reader.read(P.GATE, [(r * valid, (r + 1) * valid), cols]),
+                np.zeros((split - valid, cols[1] - cols[0]), ml_dtypes.bfloat16),
+                reader.read(P.ROUTED_DOWN, [(r * shard, (r + 1) * shard), cols]),
+            ]
+        return np.concatenate(blocks)
+
+    def gate_up_block(bounds):
+        (r0, r1), cols = bounds
+        blocks = []
+        for r in range(r0 // (2 * s_r), r1 // (2 * s_r)):
+            for half in (0, 1):
+                rows = (half * cfg.shared + r * s_r, half * cfg.shared + (r + 1) * s_r)
+                blocks.append(reader.read(P.GATE_UP, [rows, cols]))
+        return np.concatenate(blocks)
+
+    packed = placed("packed", (tp * (split + shard), h), packed_block)
+    bias = placed("bias", (cfg.experts,), lambda bounds: reader.read(P.BIAS, bounds))
+    gate_up = down = None
+    if reader.has_shared:
+        gate_up = placed("gate_up", (2 * cfg.shared, h), gate_up_block)
+        down = placed("down", (h, cfg.shared), lambda bounds: reader.read(P.DOWN, bounds))
+    return P.FrontParams(packed, bias, gate_up, down, cfg, split, mesh=mesh, axis=axis)

@@ -1,0 +1,361 @@
+"""Tensor parallelism of the MoE front with ``jax.shard_map`` (DESIGN.md, "Tensor parallelism").
+
+Each device of a mesh axis (default ``"tp"``, ``tp`` devices) holds its router rows (``E/tp``), its
+latent down-projection rows (``L/tp``) and its slice of the shared expert (``S/tp``). A call runs the
+front GEMM on the device's shard, exchanges the shards in ONE collective (each rank's float32 logits
+and bfloat16 latent shard travel together in one 16-bit row, as in one Lamport mailbox row), and every
+device routes over all experts. The shared expert's partial sums are reduced in a second collective,
+whole (``psum``) or scattered over the hidden size (``psum_scatter``, what a MoE tail consumes).
+
+- ``shard_params(weights, cfg, mesh)`` places every device's shard (``NamedSharding``); ``moe_front``
+  on those params runs ``sharded_front``, a ``jax.shard_map`` over the mesh.
+- ``moe_front(x, local_params, axis_name="tp")`` inside the caller's own ``shard_map`` runs
+  ``rank_front``, the per-device body.
+
+The mesh's other axes (a data axis beside ``"tp"``) split the batch: each group of ``tp`` devices
+runs its own rows with its own copy of the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moe_front_jax import backends
+from moe_front_jax.config import FrontConfig
+from moe_front_jax.params import (
+    BIAS,
+    DEFAULT_SPLIT_ALIGN,
+    DOWN,
+    GATE,
+    GATE_UP,
+    ROUTED_DOWN,
+    FrontParams,
+    check_weights,
+    padded_split,
+)
+
+SHARED_REDUCES = ("psum", "psum_scatter")
+
+
+def check_shared_reduce(shared_reduce: str) -> str:
+    """Validate ``shared_reduce``; returns it."""
+    if shared_reduce not in SHARED_REDUCES:
+        raise ValueError(f"shared_reduce must be one of {SHARED_REDUCES}, got {shared_reduce!r}")
+    return shared_reduce
+
+
+def mesh_tp(cfg: FrontConfig, mesh: Mesh | AbstractMesh, axis: str) -> int:
+    """The tensor-parallel degree ``mesh.shape[axis]``, validated against ``cfg``.
+
+    Raises:
+      ValueError: ``mesh`` is not a ``Mesh`` or ``AbstractMesh``, ``axis`` is not one of its axes,
+        ``cfg.tp`` is neither 1 nor the axis size, or ``experts``, ``latent`` or ``shared`` is not
+        divisible by it.
+    """
+    if not isinstance(cfg, FrontConfig):
+        raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis={axis!r} is not an axis of the mesh, whose axes are {mesh.axis_names}")
+    tp = mesh.shape[axis]
+    if cfg.tp not in (1, tp):
+        raise ValueError(
+            f"cfg.tp={cfg.tp} disagrees with mesh axis {axis!r} of size {tp}: pass cfg with tp=1 "
+            f"(the mesh decides) or tp={tp}"
+        )
+    for name in ("experts", "latent", "shared"):
+        value = getattr(cfg, name)
+        if value % tp:
+            raise ValueError(
+                f"FrontConfig.{name}={value} must be divisible by the size {tp} of mesh axis {axis!r}"
+            )
+    return tp
+
+
+def param_specs(axis: str) -> dict[str, P]:
+    """``PartitionSpec`` of each array of sharded ``FrontParams``: rank blocks along ``axis``."""
+    return {
+        "packed": P(axis, None),
+        "bias": P(),
+        "gate_up": P(axis, None),
+        "down": P(None, axis),
+    }
+
+
+def shard_params(
+    weights: Mapping[str, jax.Array],
+    cfg: FrontConfig,
+    mesh: Mesh,
+    axis: str = "tp",
+    split_align: int = DEFAULT_SPLIT_ALIGN,
+) -> FrontParams:
+    """Pack the weights for a ``tp``-way mesh axis and place each device's shard on it.
+
+    ``tp = mesh.shape[axis]``. The result holds global arrays whose rank-``r`` block along the sharded
+    dimension is exactly ``pack_params(weights, cfg.with_tp(tp), rank=r)``'s array, and the device at
+    index ``r`` of ``axis`` holds that block (over the mesh's other axes the weights are replicated):
+
+    - ``packed`` ``[tp * (split + L/tp), H]`` bfloat16, rank blocks stacked along rows, sharded
+      ``P(axis, None)``;
+    - ``bias`` ``[E]`` float32, replicated;
+    - ``gate_up`` ``[2S, H]`` bfloat16, rank blocks ``[its S/tp gate rows; its S/tp up rows]`` stacked
+      along rows, ``P(axis, None)``;
+    - ``down`` ``[H, S]`` bfloat16 (the checkpoint's own layout), split along columns,
+      ``P(None, axis)``.
+
+    ``moe_front(x, params)`` then runs under ``jax.shard_map``; inside a caller's own ``shard_map``
+    over the same mesh, pass ``jax.tree.map(lambda a: a.sharding.spec, params)`` as the params' in_specs and
+    call ``moe_front(x, params, axis_name=axis)``.
+
+    Args:
+      weights: the unsharded weights under the keys of SPEC section 2.
+      cfg: the model config, with ``tp=1`` (the mesh decides) or ``tp`` equal to the axis size.
+      mesh: a ``jax.sharding.Mesh`` that has ``axis``; other axes are allowed (they split the batch).
+      axis: the mesh axis to shard over.
+      split_align: as for ``pack_params``.
+
+    Returns:
+      ``FrontParams`` with ``cfg.tp == tp``, ``mesh`` and ``axis`` set.
+
+    Raises:
+      ValueError: ``axis`` missing from ``mesh``, ``tp`` not dividing ``E``, ``L`` or ``S``, a
+        ``cfg.tp`` that disagrees with the mesh, or weights of the wrong keys, shapes or dtypes.
+    """
+    tp = mesh_tp(cfg, mesh, axis)
+    if not isinstance(mesh, Mesh):
+        raise ValueError(
+            f"mesh must be a concrete jax.sharding.Mesh to place the weights on, got {mesh}"
+        )
+    cfg = cfg.with_tp(tp)
+    check_weights(weights, cfg)
+    if not isinstance(split_align, int) or split_align <= 0:
+        raise ValueError(f"split_align must be a positive int, got {split_align!r}")
+    valid, shard, h = cfg.experts_per_rank, cfg.latent_per_rank, cfg.hidden
+    split = padded_split(valid, split_align)
+    router = jnp.asarray(weights[GATE]).reshape(tp, valid, h)
+    padding = jnp.zeros((tp, split - valid, h), jnp.bfloat16)
+    latent = jnp.asarray(weights[ROUTED_DOWN]).reshape(tp, shard, h)
+    arrays = {
+        "packed": jnp.concatenate([router, padding, latent], axis=1).reshape(-1, h),
+        "bias": jnp.asarray(weights[BIAS]),
+        "gate_up": None,
+        "down": None,
+    }
+    if GATE_UP in weights:
+        gate_up = jnp.asarray(weights[GATE_UP]).reshape(2, tp, cfg.shared_per_rank, h)
+        arrays["gate_up"] = gate_up.transpose(1, 0, 2, 3).reshape(-1, h)
+        arrays["down"] = jnp.asarray(weights[DOWN])
+    specs = param_specs(axis)
+    placed = {
+        name: None if array is None else jax.device_put(array, NamedSharding(mesh, specs[name]))
+        for name, array in arrays.items()
+    }
+    return FrontParams(**placed, cfg=cfg, split=split, mesh=mesh, axis=axis)
+
+
+def check_sharded_params(params: FrontParams) -> None:
+    """Sharded params must hold global arrays matching their config.
+
+    ``shard_params`` gives such params. Their ``mesh`` may also be an ``AbstractMesh`` (with
+    ``jax.ShapeDtypeStruct`` leaves, through ``dataclasses.replace``): to lower the sharded front for
+    devices this host does not have, under ``jax.sharding.use_abstract_mesh``.
+    """
+    cfg, mesh, axis = params.cfg, params.mesh, params.axis
+    tp = mesh_tp(cfg, mesh, axis)
+    if cfg.tp != tp:
+        raise ValueError(f"params.cfg.tp={cfg.tp} but mesh axis {axis!r} has {tp} devices")
+    expected = {
+        "packed": ((tp * (params.split + cfg.latent_per_rank), cfg.hidden), jnp.bfloat16),
+        "bias": ((cfg.experts,), jnp.float32),
+    }
+    if params.gate_up is not None:
+        expected["gate_up"] = ((2 * cfg.shared, cfg.hidden), jnp.bfloat16)
+        expected["down"] = ((cfg.hidden, cfg.shared), jnp.bfloat16)
+    for name, (shape, dtype) in expected.items():
+        array = getattr(params, name)
+        if array is None or tuple(array.shape) != shape or array.dtype != dtype:
+            got = "None" if array is None else f"{tuple(array.shape)} {array.dtype}"
+            raise ValueError(
+                f"params.{name} is {got}, expected {shape} {jnp.dtype(dtype)} (global, sharded over "
+                f"mesh axis {axis!r} of size {tp})"
+            )
+
+
+def exchange(
+    logits: jax.Array, latent_shard: jax.Array, axis_name: str
+) -> tuple[jax.Array, jax.Array]:
+    """Every rank's logits and latent shard, to every rank, in ONE all-gather over ``axis_name``.
+
+    Each rank packs its row as a mailbox row would (SPEC section 7): ``[latent shard as bf16 | logits
+    as float32 words, two 16-bit columns each]``, ``[B, shard + 2 valid]`` uint16, so the exchange is a
+    single collective of ``B * (L + 2E) * 2 / tp`` bytes per rank, bit-exact (NaN payloads, -0.0).
+
+    Args:
+      logits: ``[B, valid]`` float32, this rank's experts ``[r*valid, (r+1)*valid)``.
+      latent_shard: ``[B, shard]`` bfloat16, this rank's latent columns ``[r*shard, (r+1)*shard)``.
+      axis_name: the ``shard_map`` axis of the ``tp`` ranks.
+
+    Returns:
+      ``logits`` ``[B, tp*valid]`` float32 and ``latent`` ``[B, tp*shard]`` bfloat16, every rank's
+      shard in rank order, identical (invariant) on every rank.
+    """
+    rows, valid = logits.shape
+    shard = latent_shard.shape[1]
+    words = lax.bitcast_convert_type(logits, jnp.uint16).reshape(rows, 2 * valid)
+    halves = lax.bitcast_convert_type(latent_shard, jnp.uint16)
+    mailbox_row = jnp.concatenate([halves, words], axis=1)
+    # A leading axis of 1 gathered tiled, rather than a new axis: the gathered [tp, B, W] then keeps
+    # the batch dimension in place under meshes whose other axes carry explicit shardings.
+    gathered = lax.all_gather(mailbox_row[None], axis_name, axis=0, tiled=True, to="invarying")
+    tp = gathered.shape[0]
+    latent = lax.bitcast_convert_type(gathered[:, :, :shard], jnp.bfloat16)
+    words = gathered[:, :, shard:].reshape(tp, rows, valid, 2)
+    logits = lax.bitcast_convert_type(words, jnp.float32)
+    return (
+        logits.transpose(1, 0, 2).reshape(rows, tp * valid),
+        latent.transpose(1, 0, 2).reshape(rows, tp * shard),
+    )
+
+
+def reduce_shared(partial: jax.Array, axis_name: str, shared_reduce: str) -> jax.Array:
+    """Sum the ranks' float32 shared-expert partial sums ``[B, H]``, then round once to bfloat16.
+
+    The partial sums travel in float32 (twice the bytes of bfloat16) so that the result is the
+    unsharded shared expert up to float32 summation order: bfloat16 partials would add one rounding
+    per rank, and a collective that sums in bfloat16 another per step, an error growing with tp.
+
+    Returns:
+      ``"psum"``: ``[B, H]`` bfloat16 on every rank; ``"psum_scatter"``: ``[B, H/tp]`` bfloat16, rank
+      ``r`` holding hidden columns ``[r*H/tp, (r+1)*H/tp)``.
+    """
+    if shared_reduce == "psum":
+        total = lax.psum(partial, axis_name)
+    else:
+        total = lax.psum_scatter(partial, axis_name, scatter_dimension=1, tiled=True)
+    return total.astype(jnp.bfloat16)
+
+
+def check_scatter(shared_reduce: str, cfg: FrontConfig, tp: int) -> None:
+    """A reduce-scatter over the hidden size needs ``tp`` to divide it."""
+    if shared_reduce == "psum_scatter" and cfg.hidden % tp:
+        raise ValueError(
+            f"shared_reduce='psum_scatter' scatters hidden={cfg.hidden} over tp={tp} ranks, which "
+            "does not divide it; use shared_reduce='psum'"
+        )
+
+
+def rank_front(
+    x: jax.Array,
+    params: FrontParams,
+    axis_name: str,
+    *,
+    plan: bool,
+    backend: str,
+    shared_reduce: str,
+) -> tuple:
+    """One rank's front inside ``shard_map``: its GEMM, the exchange, routing of all experts.
+
+    ``params`` are this rank's (validated by the caller: ``check_params``), ``x`` ``[B, H]`` the rank's
+    rows (the same on every rank of ``axis_name``).
+
+    Returns:
+      The fields of ``FrontOutput`` in order: ``ids``, ``weights``, ``latent`` ``[B, L]``, ``logits``
+      ``[B, E]``, ``shared`` (``reduce_shared``'s, or None), ``plan`` (or None), ``status``.
+
+    Raises:
+      ValueError: ``axis_name`` is not an axis of the enclosing ``shard_map``, its size is not
+        ``params.cfg.tp``, or ``psum_scatter`` over a hidden size ``tp`` does not divide.
+    """
+    cfg = params.cfg
+    try:
+        tp = lax.axis_size(axis_name)
+    except NameError as error:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not an axis of the enclosing jax.shard_map ({error})"
+        ) from None
+    if tp != cfg.tp:
+        raise ValueError(
+            f"axis_name={axis_name!r} has {tp} devices but params are one rank's shard of "
+            f"tp={cfg.tp}"
+        )
+    check_scatter(shared_reduce, cfg, tp)
+    gemm = backends.stage("front_gemm", backend)
+    logits, latent_shard = gemm(x, params.packed, params.split, cfg.experts_per_rank)
+    logits, latent = exchange(logits, latent_shard, axis_name)
+    ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
+    shared = None
+    if params.has_shared:
+        partial = backends.stage("shared_expert", backend)(
+            x, params.gate_up, params.down, cfg, jnp.float32
+        )
+        shared = reduce_shared(partial, axis_name, shared_reduce)
+    planned = backends.stage("plan", backend)(latent, cfg.plan_block) if plan else None
+    return ids, weights, latent, logits, shared, planned, jnp.zeros((), jnp.int32)
+
+
+def runs_kernels(backend: str, plan: bool, shared: bool) -> bool:
+    """Whether ``rank_front`` under ``backend`` runs any Pallas kernel (not only the reference)."""
+    stages = ["front_gemm", "route"] + ["plan"] * plan + ["shared_expert"] * shared
+    return any(backends.stage(name, backend) is not backends.REFERENCE[name] for name in stages)
+
+
+def sharded_front(
+    x: jax.Array, params: FrontParams, *, plan: bool, backend: str, shared_reduce: str
+) -> tuple:
+    """``rank_front`` on every device of ``params.mesh`` under ``jax.shard_map``.
+
+    ``params`` come from ``shard_params`` (validated by the caller: ``check_sharded_params``). The
+    mesh's axes other than ``params.axis`` split the batch of ``x`` (data parallel).
+
+    Returns:
+      The fields of ``FrontOutput`` as global arrays: everything ``[B, ...]`` replicated over the
+      ``tp`` axis, except ``shared`` under ``"psum_scatter"``: ``[B, H]`` whose hidden columns are
+      sharded over it (each device holds its ``H/tp`` columns of the reduce-scatter).
+
+    Raises:
+      ValueError: ``B`` not divisible by the product of the other mesh axes' sizes, or
+        ``psum_scatter`` over a hidden size ``tp`` does not divide.
+    """
+    cfg, mesh, axis = params.cfg, params.mesh, params.axis
+    check_scatter(shared_reduce, cfg, cfg.tp)
+    others = tuple(name for name in mesh.axis_names if name != axis)
+    groups = math.prod(mesh.shape[name] for name in others)
+    if x.shape[0] % groups:
+        raise ValueError(
+            f"x has B={x.shape[0]} rows, split data-parallel over mesh axes {others} of "
+            f"{groups} groups: B must be divisible by {groups}"
+        )
+    batch = others or None
+    rows = P(batch, None)
+    explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit]
+    if explicit:
+        # shard_map takes x typed over Explicit axes only in its in_spec's sharding; over Auto axes
+        # jit reshards x itself (and jax.reshard refuses them).
+        split = tuple(name for name in others if name in explicit) or None
+        x = jax.reshard(x, NamedSharding(mesh, P(split, None)))
+    specs = param_specs(axis)
+    shared_spec = P(batch, axis) if shared_reduce == "psum_scatter" else rows
+
+    def body(x, packed, bias, gate_up, down):
+        local = FrontParams(packed, bias, gate_up, down, cfg, params.split)
+        return rank_front(
+            x, local, axis, plan=plan, backend=backend, shared_reduce=shared_reduce
+        )
+
+    front = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(rows, specs["packed"], specs["bias"], specs["gate_up"], specs["down"]),
+        out_specs=(rows, rows, rows, rows, shared_spec, rows, P()),
+        # A pallas_call's out_shape carries no varying-axes type, which check_vma=True requires.
+        check_vma=not runs_kernels(backend, plan, params.has_shared),
+    )
+    return front(x, params.packed, params.bias, params.gate_up, params.down)

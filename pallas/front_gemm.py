@@ -1,0 +1,470 @@
+"""The weight-stationary front GEMM as one Pallas kernel (SPEC section 3, and section 5's plan).
+
+``front_gemm(x, packed, split, valid)`` computes, in one pass over the packed weight,
+
+    y            = x @ packed.T            float32 accumulation, [B, n]
+    logits       = y[:, :valid]            float32, [B, valid]
+    latent_shard = bf16(y[:, split:])      round to nearest even, [B, n - split]
+
+and ``front_gemm_plan`` also writes, from the same epilogue, the MXFP8 plan of the latent shard
+(``reference.mxfp8_plan``): values float8_e4m3fn ``[B, n - split]`` and E8M0 scales ``[B, (n - split)
+/ block]``. Nothing else runs: no slice, cast or plan kernel after it.
+
+Schedule. At decode batches the GEMM is bound by reading the weight, so each program streams one
+contiguous slab of it: ``block_rows`` rows by a ``H / split_k`` chunk of K, in ``block_k`` steps that
+Triton's software pipeliner keeps ``num_stages`` deep in flight. The tiles of rows are laid out per
+region: router tiles from row 0 up to ``valid``, latent tiles from ``split`` up to ``n``, so the zero
+padding rows ``[valid, split)`` are never read, every tile is wholly router or wholly latent (its
+epilogue writes one output), and the latent tiles start at the latent's first row, so MXFP8 blocks
+never straddle tiles whatever ``split`` is. The row tiles alone are too few to fill 132 SMs (a tp8
+shard has 560 rows), so K is split over ``split_k`` programs per tile: each writes its float32 partial
+tile to a workspace, then takes a ticket from the tile's counter (an acquire-release atomic after a
+CTA barrier); the last of the tile's programs to arrive sums the ``split_k`` partials in a fixed order
+(so results do not depend on arrival order) and runs the epilogue. That reduction lives in the GEMM
+kernel rather than in a second Pallas kernel so that no cast or reduction pass follows it; its price
+is the partials' round trip through L2 (``2 * 4 * B * n * split_k`` bytes when split) and a zeroed
+int32 counter per tile, which XLA writes with a small broadcast kernel before the GEMM (a fresh
+buffer per call: JAX has no persistent scratch to keep self-resetting counters in).
+
+Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working). The kernel needs exactly what
+Triton does well: a K loop whose loads the software pipeliner turns into ``num_stages`` asynchronous
+copies, small-M tensor-core dots, masks, and global atomics. Mosaic GPU (``plgpu.kernel``) would need
+the pipeline, the tiny-M tensor-core tiles and the split-K handshake written by hand.
+
+Cost per call (bf16 = 2 bytes; ``shard = n - split``; ``P`` the partials, 0 when ``split_k == 1``):
+  bytes  = 2 * (valid + shard) * H     the weight (the padding rows are not read): 64.2 MB at tp1,
+                                        8.0 MB at tp8 for K3
+         + 2 * B * H                   x (read from L2 by every tile: ``2 * B * H * tiles`` there)
+         + 4 * B * valid + 2 * B * shard   logits and latent written
+         + B * shard * (1 + 1 / block) the plan, when asked for
+         + P = 8 * B * (valid + shard) * split_k   partial tiles written and read back
+  FLOPs  = 2 * B * (valid + shard) * H
+so the arithmetic intensity is about B FLOP/byte: memory-bound up to B of a few hundred on an H200,
+whose floor is the weight bytes over the HBM read bandwidth (13.8 us at tp1, 1.73 us at tp8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from importlib import resources
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_front_jax import reference
+
+MAX_BATCH = 256
+"""Largest batch one call covers: the accumulator tile is ``block_rows x`` the padded batch."""
+MIN_DOT = 16
+"""Smallest M, N and K of a Triton tensor-core dot; batches are padded (masked) up to it."""
+TABLE_FILES = {"NVIDIA H200": "h200_front_gemm.json"}
+"""Tuning table per device kind, under ``pallas/tuning/``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontGemmConfig:
+    """Block shapes and schedule of the front GEMM.
+
+    Attributes:
+      block_rows: weight rows per program (the dot's M), a power of two >= 16; >= the plan block
+        when the plan is written.
+      block_k: K elements per pipelined step, a power of two >= 16.
+      split_k: programs sharing one tile of rows, each over ``H / split_k`` of K; ``H`` must be a
+        multiple of ``split_k * block_k``.
+      num_warps, num_stages: Triton's warps per program and software-pipeline depth.
+    """
+
+    block_rows: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in ("block_rows", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < MIN_DOT or value & (value - 1):
+                raise ValueError(f"FrontGemmConfig.{name} must be a power of two >= 16, got {value!r}")
+        for name in ("split_k", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"FrontGemmConfig.{name} must be a positive int, got {value!r}")
+
+
+def padded_batch(batch: int) -> int:
+    """The batch tile: ``batch`` rounded up to a power of two, at least 16 (the table's key)."""
+    return max(MIN_DOT, 1 << (batch - 1).bit_length())
+
+
+def device_kind() -> str:
+    """Kind of the device being compiled for: the abstract mesh's (ahead-of-time lowering), or the
+    default device's."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None:
+        return abstract.device_kind
+    return jax.devices()[0].device_kind
+
+
+def table_key(valid: int, shard: int, hidden: int, batch: int) -> str:
+    """Key of a tuning-table entry: the shard's shape and the padded batch."""
+    return f"valid={valid},shard={shard},hidden={hidden},batch={padded_batch(batch)}"
+
+
+@functools.cache
+def load_table(kind: str) -> dict[tuple[str, bool], FrontGemmConfig]:
+    """The tuning table of device ``kind``: ``(key, plan) -> config`` (empty where there is none).
+
+    Each entry has the schedule of the plain GEMM (``config``) and, where the tuner timed the plan
+    epilogue apart, the schedule of the GEMM with the plan (``plan_config``; else ``config``).
+    """
+    name = TABLE_FILES.get(kind)
+    if name is None:
+        return {}
+    text = resources.files("moe_front_jax.pallas").joinpath("tuning", name).read_text()
+    table = {}
+    for key, entry in json.loads(text)["entries"].items():
+        table[key, False] = FrontGemmConfig(**entry["config"])
+        table[key, True] = FrontGemmConfig(**entry.get("plan_config", entry["config"]))
+    return table
+
+
+def heuristic_config(valid: int, shard: int, hidden: int, batch: int, cores: int) -> FrontGemmConfig:
+    """A schedule for a device without a table.
+
+    Rows per program grow with the batch (each tile re-reads ``x`` from L2, ``B / block_rows`` bytes
+    per weight byte); K is split, keeping at least two K steps per program, until every one of
+    ``cores`` SMs has a program; the pipeline is as deep as 160 KiB of shared memory allows (up to 5).
+    """
+    bp = padded_batch(batch)
+    block_rows = 32 if bp <= 32 else 64 if bp <= 64 else 128
+    block_k = next(k for k in ((64, 32, 16) if bp >= 128 else (128, 64, 32, 16)) if hidden % k == 0)
+    tiles = -(-valid // block_rows) + -(-shard // block_rows)
+    steps = hidden // block_k
+    splits = [s for s in range(1, steps + 1) if steps % s == 0 and steps // s >= 2] or [1]
+    split_k = next((s for s in splits if tiles * s >= cores), splits[-1])
+    num_warps = 8 if block_rows * bp >= 128 * 128 else 4
+    depth = (160 * 1024) // (2 * block_k * (block_rows + bp))
+    num_stages = max(2, min(5, depth, steps // split_k))
+    return FrontGemmConfig(block_rows, block_k, split_k, num_warps, num_stages)
+
+
+def pick_config(
+    valid: int, shard: int, hidden: int, batch: int, plan: bool = False
+) -> FrontGemmConfig:
+    """The table's entry for this shape (with or without the plan epilogue) on the target device,
+    else ``heuristic_config``."""
+    kind = device_kind()
+    found = load_table(kind).get((table_key(valid, shard, hidden, batch), plan))
+    if found is not None:
+        return found
+    cores = getattr(jax.devices()[0], "core_count", None) or 132
+    return heuristic_config(valid, shard, hidden, batch, cores)
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static shapes of one call: the problem, its tiling and the tile counts."""
+
+    batch: int
+    hidden: int
+    rows: int
+    split: int
+    valid: int
+    block: int | None
+    config: FrontGemmConfig
+
+    @property
+    def shard(self) -> int:
+        return self.rows - self.split
+
+    @property
+    def batch_tile(self) -> int:
+        return padded_batch(self.batch)
+
+    @property
+    def router_tiles(self) -> int:
+        return -(-self.valid // self.config.block_rows)
+
+    @property
+    def tiles(self) -> int:
+        return self.router_tiles + -(-self.shard // self.config.block_rows)
+
+    @property
+    def k_chunk(self) -> int:
+        return self.hidden // self.config.split_k
+
+
+def _scale_exponent(amax_bits: jax.Array) -> jax.Array:
+    """Biased E8M0 exponent of ``amax / 448`` from the float32 bits of a bfloat16-exact ``amax``.
+
+    Equals ``reference.e8m0_exponent(amax / 448)`` without the division (Triton's float32 division is
+    approximate). With ``amax = 1.m * 2**(E - 127)`` and ``448 = 1.75 * 2**8`` the quotient is
+    ``(1.m / 1.75) * 2**(E - 135)``: rounded up to a power of two it is ``2**(E - 135)`` when
+    ``1.m <= 1.75`` and twice that above, so the biased exponent is ``E - 8 + (m > 0.75)``, clamped at
+    0 (quotients up to ``2**-127``) and 254 (infinity and NaN). A bfloat16 mantissa has 7 bits, so the
+    quotient is never within a rounding of a power of two it does not equal, and the correctly rounded
+    division of the reference lands on the same side.
+    """
+    exponent = (amax_bits >> 23) & 0xFF
+    above = jnp.where((amax_bits & 0x7FFFFF) > 0x600000, 1, 0)
+    biased = jnp.maximum(exponent - 8 + above, 0)
+    return jnp.where(exponent == 0xFF, 254, biased)
+
+
+def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
+    g, cfg = geometry, geometry.config
+    split_k, plan = cfg.split_k, g.block is not None
+    if split_k > 1:
+        refs = refs[1:]  # the counters' input ref; its aliased output ref comes last
+    logits_ref, latent_ref, *refs = refs
+    values_ref, scales_ref = (refs.pop(0), refs.pop(0)) if plan else (None, None)
+    partials_ref, counters_ref = refs if split_k > 1 else (None, None)
+    bn, bp, bk = cfg.block_rows, g.batch_tile, cfg.block_k
+    part, tile = pl.program_id(0), pl.program_id(1)
+
+    is_latent = tile >= g.router_tiles
+    latent_tile = is_latent.astype(jnp.int32)
+    # Latent tiles restart at ``split``; arithmetic rather than a scalar select, which the Triton
+    # lowering mistypes.
+    first_row = tile * bn + latent_tile * (g.split - g.router_tiles * bn)
+    end_row = g.valid + latent_tile * (g.rows - g.valid)
+    row_ok = (first_row + lax.broadcasted_iota(jnp.int32, (bn, 1), 0)) < end_row
+    batch_ok = lax.broadcasted_iota(jnp.int32, (bp, 1), 0) < g.batch
+    # Masks only where a tile can run past its region or the batch past B: an unmasked load is
+    # plain 16-byte vectors with no predicate.
+    rows_mask = row_ok if g.valid % bn or g.shard % bn else None
+    batch_mask = batch_ok if g.batch < bp else None
+    k_first = part * g.k_chunk
+
+    def masked_load(ref, mask, eviction_policy=None):
+        other = None if mask is None else 0.0
+        return plgpu.load(ref, mask=mask, other=other, eviction_policy=eviction_policy)
+
+    def step(i, acc):
+        k = pl.multiple_of(k_first + i * bk, bk)
+        # The weight is read once per call: first out of L2, so x and the partials stay.
+        w = masked_load(w_ref.at[pl.ds(first_row, bn), pl.ds(k, bk)], rows_mask, "evict_first")
+        xs = masked_load(x_ref.at[pl.ds(0, bp), pl.ds(k, bk)], batch_mask)
+        return acc + lax.dot_general(
+            w, xs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    acc = lax.fori_loop(0, g.k_chunk // bk, step, jnp.zeros((bn, bp), jnp.float32))
+
+    def epilogue(y):  # y: [block_rows, batch_tile] float32, the finished tile
+        out_ok = row_ok.T & batch_ok  # [batch_tile, block_rows]
+
+        @pl.when(jnp.logical_not(is_latent))
+        def _():
+            plgpu.store(logits_ref.at[pl.ds(0, bp), pl.ds(first_row, bn)], y.T, mask=out_ok)
+
+        @pl.when(is_latent)
+        def _():
+            column = first_row - g.split
+            latent = y.T.astype(jnp.bfloat16)  # [batch_tile, block_rows], as stored
+            plgpu.store(latent_ref.at[pl.ds(0, bp), pl.ds(column, bn)], latent, mask=out_ok)
+            if plan:
+                _plan_epilogue(latent, column, out_ok)
+
+    def _plan_epilogue(latent, column, out_ok):
+        nb = bn // g.block
+        # Blocks along the minor axis: each is a run of one row's registers, no layout shuffle.
+        blocks = latent.astype(jnp.float32).reshape(bp, nb, g.block)
+        magnitude = lax.bitcast_convert_type(blocks, jnp.int32) & 0x7FFFFFFF
+        # Integer max of |v|'s bits: float order for numbers, and NaN above infinity as in XLA.
+        exponent = _scale_exponent(jnp.max(magnitude, axis=2))  # [batch_tile, nb]
+        scaled = reference.e8m0_scale_down(blocks, exponent[:, :, None])
+        # Selects rather than min/max: Triton's float min/max drop NaN, the reference keeps it.
+        top = reference.E4M3_MAX
+        scaled = jnp.where(scaled > top, top, jnp.where(scaled < -top, -top, scaled))
+        values = scaled.reshape(bp, bn).astype(jnp.float8_e4m3fn)
+        plgpu.store(values_ref.at[pl.ds(0, bp), pl.ds(column, bn)], values, mask=out_ok)
+        blocks_left = (g.shard - column) // g.block
+        block_ok = batch_ok & (lax.broadcasted_iota(jnp.int32, (1, nb), 1) < blocks_left)
+        plgpu.store(
+            scales_ref.at[pl.ds(0, bp), pl.ds(column // g.block, nb)],
+            exponent.astype(jnp.uint8),
+            mask=block_ok,
+        )
+
+    if split_k == 1:
+        epilogue(acc)
+        return
+
+    plgpu.store(partials_ref.at[part, tile], acc, mask=batch_ok.T)
+    if not interpret:  # interpret mode runs programs one at a time (and has no barrier rule)
+        # Every thread's partial stores happen before the ticket's release (a CTA barrier, then one
+        # thread's acquire-release atomic: cumulativity carries the other threads' stores).
+        plgpu.debug_barrier()
+    ticket = plgpu.atomic_add(counters_ref, tile, jnp.int32(1))
+
+    @pl.when(ticket == split_k - 1)
+    def _():
+        total = jnp.zeros((bn, bp), jnp.float32)
+        for other in range(split_k):
+            # The ticket's acquire (gpu scope) makes the other programs' partials visible here;
+            # no line of them can sit in this SM's L1, which only this program reads them into.
+            total += plgpu.load(partials_ref.at[jnp.int32(other), tile], mask=batch_ok.T, other=0.0)
+        epilogue(total)
+
+
+def _check(x, packed, split, valid, block) -> None:
+    for name, array in (("x", x), ("packed", packed)):
+        shape = getattr(array, "shape", None)
+        if shape is None or len(shape) != 2 or array.dtype != jnp.bfloat16:
+            raise ValueError(f"{name} must be a 2-D bfloat16 array, got {shape} {getattr(array, 'dtype', None)}")
+    (batch, hidden), (rows, packed_hidden) = x.shape, packed.shape
+    if packed_hidden != hidden:
+        raise ValueError(f"packed must have x's width {hidden} as its last dimension, got {packed.shape}")
+    if batch == 0:
+        raise ValueError(f"x is an empty batch (shape {x.shape}); B must be >= 1")
+    for name, value in (("split", split), ("valid", valid)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name} must be a static int, got {value!r}")
+    if not 0 < valid <= split < rows:
+        raise ValueError(
+            f"need 0 < valid <= split < rows of packed, got valid={valid}, split={split}, rows={rows}"
+        )
+    if block is not None:
+        if not isinstance(block, int) or block < 1 or block & (block - 1) or block > 256:
+            raise ValueError(f"block must be a power of two in [1, 256], got {block!r}")
+        if (rows - split) % block:
+            raise ValueError(
+                f"the latent shard (rows - split = {rows - split}) must be a multiple of block={block}"
+            )
+    if batch > MAX_BATCH:
+        raise NotImplementedError(
+            f"front_gemm covers B <= {MAX_BATCH} rows per call, got B={batch}; split the batch, or use "
+            "backend='xla'"
+        )
+    if hidden % MIN_DOT:
+        raise NotImplementedError(
+            f"front_gemm needs the hidden size to be a multiple of {MIN_DOT}, got {hidden}; use "
+            "backend='xla'"
+        )
+
+
+def _resolve(config, valid, shard, hidden, batch, block) -> FrontGemmConfig:
+    config = config or pick_config(valid, shard, hidden, batch, plan=block is not None)
+    if not isinstance(config, FrontGemmConfig):
+        raise ValueError(f"config must be a FrontGemmConfig or None, got {type(config).__name__}")
+    if hidden % (config.split_k * config.block_k):
+        raise ValueError(
+            f"config {config} needs hidden divisible by split_k * block_k = "
+            f"{config.split_k * config.block_k}, got hidden={hidden}"
+        )
+    if block is not None and config.block_rows < block:
+        # An MXFP8 block must lie in one tile: widen the tiles, keeping the schedule otherwise.
+        config = dataclasses.replace(config, block_rows=max(block, MIN_DOT))
+    return config
+
+
+def _call(x, packed, split, valid, block, interpret, config):
+    _check(x, packed, split, valid, block)
+    (batch, hidden), rows = x.shape, packed.shape[0]
+    config = _resolve(config, valid, rows - split, hidden, batch, block)
+    g = Geometry(batch, hidden, rows, split, valid, block, config)
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, valid), jnp.float32),
+        jax.ShapeDtypeStruct((batch, g.shard), jnp.bfloat16),
+    ]
+    if block is not None:
+        out_shape += [
+            jax.ShapeDtypeStruct((batch, g.shard), jnp.float8_e4m3fn),
+            # Bytes: Triton has no E8M0 type. XLA reinterprets them in place (no kernel).
+            jax.ShapeDtypeStruct((batch, g.shard // block), jnp.uint8),
+        ]
+    args, aliases = [x, packed], {}
+    if config.split_k > 1:
+        out_shape += [
+            jax.ShapeDtypeStruct(
+                (config.split_k, g.tiles, config.block_rows, g.batch_tile), jnp.float32
+            ),
+            jax.ShapeDtypeStruct((g.tiles,), jnp.int32),
+        ]
+        args.append(jnp.zeros((g.tiles,), jnp.int32))
+        aliases = {2: len(out_shape) - 1}
+    outs = pl.pallas_call(
+        functools.partial(_kernel, geometry=g, interpret=interpret),
+        out_shape=out_shape,
+        grid=(config.split_k, g.tiles),
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages
+        ),
+        name="front_gemm_plan" if block is not None else "front_gemm",
+    )(*args)
+    return outs
+
+
+def front_gemm(
+    x: jax.Array,
+    packed: jax.Array,
+    split: int,
+    valid: int,
+    *,
+    interpret: bool = False,
+    config: FrontGemmConfig | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Router logits and the latent shard from one pass over the packed weight (SPEC section 3).
+
+    Args:
+      x: ``[B, H]`` bfloat16 decode rows, ``1 <= B <= 256``.
+      packed: ``[n, H]`` bfloat16: router rows ``[0, valid)``, padding ``[valid, split)`` (never
+        read), latent rows ``[split, n)``.
+      split: first latent row of ``packed`` (any value in ``[valid, n)``).
+      valid: router rows of this rank.
+      interpret: run in Pallas' interpret mode (any machine).
+      config: the schedule; None picks the device's tuning-table entry or the heuristic.
+
+    Returns:
+      ``logits`` ``[B, valid]`` float32 and ``latent_shard`` ``[B, n - split]`` bfloat16 (round to
+      nearest even) of ``x @ packed.T`` accumulated in float32.
+
+    Raises:
+      ValueError: wrong shapes or dtypes, ``split``/``valid`` out of range, a config that does not
+        divide ``H``.
+      NotImplementedError: ``B > 256`` or ``H`` not a multiple of 16 (use ``backend='xla'``).
+
+    Example::
+
+      logits, latent = front_gemm(x, params.packed, params.split, cfg.experts_per_rank)
+    """
+    logits, latent, *_ = _call(x, packed, split, valid, None, interpret, config)
+    return logits, latent
+
+
+def front_gemm_plan(
+    x: jax.Array,
+    packed: jax.Array,
+    split: int,
+    valid: int,
+    block: int = 32,
+    *,
+    interpret: bool = False,
+    config: FrontGemmConfig | None = None,
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
+    """``front_gemm`` whose epilogue also writes the latent's MXFP8 plan (SPEC section 5).
+
+    Args:
+      x, packed, split, valid, interpret, config: as for ``front_gemm``.
+      block: elements per E8M0 scale, a power of two; ``n - split`` must be a multiple of it.
+
+    Returns:
+      ``(logits, latent_shard, (values, scales))``: ``front_gemm``'s outputs, ``values``
+      ``[B, n - split]`` float8_e4m3fn and ``scales`` ``[B, (n - split) / block]`` float8_e8m0fnu,
+      bit-equal to ``reference.mxfp8_plan(latent_shard, block)``.
+
+    Raises:
+      ValueError, NotImplementedError: as for ``front_gemm``; also a ``block`` that is not a power of
+        two or does not divide the latent shard.
+    """
+    logits, latent, values, scales, *_ = _call(x, packed, split, valid, block, interpret, config)
+    return logits, latent, (values, lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu))

@@ -1,0 +1,289 @@
+"""The Pallas front GEMM (and its MXFP8 plan epilogue): interpret mode against the reference, lowering
+for an H200 from the CPU host at every tp shape, the tuning table, and on a GPU against float64."""
+
+import functools
+import json
+from importlib import resources
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import moe_front_jax as mf
+from moe_front_jax import backends, reference
+from moe_front_jax.params import padded_split
+from moe_front_jax.pallas import front_gemm as fg
+from h200 import H200, lower_for_h200
+import oracle
+
+K3 = mf.KIMI_K3
+SMALL_HIDDEN = 256
+"""Interpret mode keeps K3's row counts and shrinks the hidden size (the GEMM's K)."""
+Cfg = fg.FrontGemmConfig
+
+
+def k3_shape(tp, split=None):
+    cfg = K3.with_tp(tp)
+    valid, shard = cfg.experts_per_rank, cfg.latent_per_rank
+    return valid, padded_split(valid) if split is None else split, shard
+
+
+def exact_operands(batch, valid, split, shard, hidden, seed=0):
+    """Small-integer x and w, w's rows scaled by powers of two from 2**-12 to 2**12: every float32
+    partial sum is exact, so any summation order gives the float64 product bit for bit, while the
+    latent spans many binades (the plan's scales differ block to block)."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-3, 4, (batch, hidden)).astype(np.float32)
+    w = rng.integers(-3, 4, (split + shard, hidden)).astype(np.float32)
+    w *= np.exp2(rng.integers(-12, 13, (split + shard, 1)))
+    w[valid:split] = 0
+    return jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+
+
+def exact_product(x, w):
+    return np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+
+
+def plan_bytes(plan):
+    values, scales = plan
+    return np.asarray(values).view(np.uint8), np.asarray(scales).view(np.uint8)
+
+
+@functools.partial(jax.jit, static_argnames=("split", "valid", "plan", "config"))
+def interpret(x, w, *, split, valid, plan, config):
+    if plan:
+        return fg.front_gemm_plan(x, w, split, valid, interpret=True, config=config)
+    return fg.front_gemm(x, w, split, valid, interpret=True, config=config)
+
+
+# (tp, batch, split or None for pack_params', config, plan): split-K and single-pass tiles, router and
+# latent tiles that run past their region (valid % block_rows, shard % block_rows), B below, at and
+# above 16, a split off every alignment, and tiles too narrow for a plan block (widened to 32).
+INTERPRET_CASES = [
+    (1, 1, None, Cfg(32, 64, 2, 4, 3), False),
+    (2, 37, None, Cfg(64, 64, 4, 4, 3), True),
+    (4, 3, None, Cfg(16, 64, 1, 4, 3), True),
+    (8, 255, None, Cfg(128, 128, 1, 8, 3), True),
+    (8, 7, 120, Cfg(32, 64, 4, 4, 3), True),
+    (16, 16, None, Cfg(64, 32, 8, 4, 3), True),
+]
+
+
+@pytest.mark.parametrize("tp, batch, split, config, plan", INTERPRET_CASES)
+def test_interpret_matches_reference_exactly(tp, batch, split, config, plan):
+    valid, split, shard = k3_shape(tp, split)
+    x, w = exact_operands(batch, valid, split, shard, SMALL_HIDDEN, seed=tp)
+    out = interpret(x, w, split=split, valid=valid, plan=plan, config=config)
+    y = exact_product(x, w)
+    ref_logits, ref_latent = reference.front_gemm(x, w, split, valid)
+    np.testing.assert_array_equal(np.asarray(out[0]), y[:, :valid].astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(ref_logits))
+    np.testing.assert_array_equal(
+        np.asarray(out[1]).view(np.uint16), np.asarray(ref_latent).view(np.uint16)
+    )
+    assert out[1].dtype == jnp.bfloat16 and out[1].shape == (batch, shard)
+    if plan:
+        values, scales = out[2]
+        assert values.dtype == jnp.float8_e4m3fn and values.shape == (batch, shard)
+        assert scales.dtype == jnp.float8_e8m0fnu and scales.shape == (batch, shard // 32)
+        ref_values, ref_scales = plan_bytes(reference.mxfp8_plan(ref_latent))
+        np.testing.assert_array_equal(plan_bytes(out[2])[0], ref_values)
+        np.testing.assert_array_equal(plan_bytes(out[2])[1], ref_scales)
+        # And against the float64 oracle written from the SPEC.
+        oracle_values, oracle_scales = oracle.mxfp8_plan(np.asarray(ref_latent))
+        np.testing.assert_array_equal(plan_bytes(out[2])[1], oracle_scales)
+        np.testing.assert_array_equal(plan_bytes(out[2])[0], oracle_values.view(np.uint8))
+
+
+def test_interpret_plan_of_non_finite_latent():
+    """inf, NaN and -0 in the latent (from inf and NaN in x): the plan still equals the reference's."""
+    valid, split, shard = k3_shape(8)
+    x, w = exact_operands(6, valid, split, shard, SMALL_HIDDEN, seed=3)
+    x = x.at[1, 5].set(jnp.inf).at[2, 9].set(jnp.nan).at[3].set(-0.0).at[4, 0].set(3e38)
+    logits, latent, planned = interpret(
+        x, w, split=split, valid=valid, plan=True, config=Cfg(32, 64, 2, 4, 3)
+    )
+    ref_logits, ref_latent = reference.front_gemm(x, w, split, valid)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(ref_logits))
+    np.testing.assert_array_equal(np.asarray(latent, np.float32), np.asarray(ref_latent, np.float32))
+    assert np.isnan(np.asarray(latent, np.float32)).any() and np.isinf(np.asarray(latent, np.float32)).any()
+    for got, want in zip(plan_bytes(planned), plan_bytes(reference.mxfp8_plan(latent))):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_scale_exponent_for_every_bfloat16():
+    """The kernel's division-free E8M0 exponent over all 65536 bfloat16 bit patterns as amax: equal
+    to the SPEC's (the float64 oracle) everywhere, and to the reference wherever ``amax / 448`` is a
+    normal float32 (XLA on CPU flushes the subnormal quotients to zero, which the GPU does not)."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    amax = np.abs(bits.view(ml_dtypes.bfloat16).astype(np.float32))
+    got = np.asarray(jax.jit(fg._scale_exponent)(jnp.asarray(amax.view(np.int32))))
+    spec = np.array([oracle.e8m0_byte(float(a) / 448.0) for a in amax.astype(np.float64)])
+    np.testing.assert_array_equal(got, spec)
+    want = np.asarray(reference.e8m0_exponent(jnp.asarray(amax) / jnp.float32(448.0)))
+    normal = amax.astype(np.float64) / 448.0 >= 2.0**-126
+    np.testing.assert_array_equal(got[normal], want[normal])
+
+
+def route_any(logits, bias, cfg, *, interpret):
+    """The routing reference in the kernels' signature, until the routing kernel is registered."""
+    del interpret  # the reference has one mode
+    return reference.route(logits, bias, cfg)
+
+
+def test_moe_front_takes_the_plan_from_the_gemm_epilogue(monkeypatch):
+    monkeypatch.setitem(backends.KERNELS, "route", "test_front_gemm_kernel:route_any")
+    calls = []
+    real = fg.front_gemm_plan
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fg, "front_gemm_plan", spy)
+    backends._load.cache_clear()
+    cfg = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=128, top_k=16, latent=256, shared=0)
+    params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg, shared=False), cfg)
+    x = jax.random.normal(jax.random.key(1), (5, SMALL_HIDDEN)).astype(jnp.bfloat16)
+    try:
+        got = jax.jit(lambda x, p: mf.moe_front(x, p, plan=True, backend="interpret"))(x, params)
+    finally:
+        backends._load.cache_clear()
+    want = mf.moe_front(x, params, plan=True, backend="xla")
+    assert len(calls) == 1
+    np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), rtol=0, atol=1e-5)
+    assert oracle.bf16_ulp_distance(got.latent, want.latent).max() <= 1
+    for a, b in zip(plan_bytes(got.plan), plan_bytes(reference.mxfp8_plan(got.latent))):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
+def test_lowers_for_h200_as_one_kernel(tp):
+    """One Triton kernel per call (plus, when K is split, a zeroed counter), no cast or slice ops."""
+    valid, split, shard = k3_shape(tp)
+    w = jnp.zeros((split + shard, K3.hidden), jnp.bfloat16)
+    for batch in (1, 64, 256):
+        x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
+        for fn in (fg.front_gemm, fg.front_gemm_plan):
+            text = lower_for_h200(lambda x, w: fn(x, w, split, valid), x, w)
+            assert text.count("__gpu$xla.gpu.triton") == 1
+            for op in ("stablehlo.convert", "stablehlo.slice", "stablehlo.dot_general"):
+                assert op not in text, (tp, batch, fn.__name__, op)
+
+
+def test_table_covers_the_k3_shapes_and_is_used_on_h200():
+    text = resources.files("moe_front_jax.pallas").joinpath("tuning", "h200_front_gemm.json")
+    table = json.loads(text.read_text())
+    assert table["device_kind"] == H200.device_kind
+    for tp in (1, 2, 4, 8):
+        valid, _, shard = k3_shape(tp)
+        for batch in (16, 32, 64, 128, 256):
+            entry = table["entries"][fg.table_key(valid, shard, K3.hidden, batch)]
+            cfg = Cfg(**entry["config"])
+            # The plan's own schedule where one was tuned, else the plain one (widened by the kernel).
+            plan_cfg = Cfg(**entry.get("plan_config", entry["config"]))
+            for c in (cfg, plan_cfg):
+                assert K3.hidden % (c.split_k * c.block_k) == 0
+            mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+            with jax.sharding.use_abstract_mesh(mesh):
+                assert fg.pick_config(valid, shard, K3.hidden, batch) == cfg
+                assert fg.pick_config(valid, shard, K3.hidden, batch, plan=True) == plan_cfg
+                # Batches share the entry of their padded size.
+                assert fg.pick_config(valid, shard, K3.hidden, batch // 2 + 1) == cfg
+
+
+@pytest.mark.parametrize("hidden", [7168, 256, 48])
+@pytest.mark.parametrize("batch", [1, 37, 256])
+def test_heuristic_config_divides_the_problem(hidden, batch):
+    for tp in (1, 8, 16):
+        valid, _, shard = k3_shape(tp)
+        cfg = fg.heuristic_config(valid, shard, hidden, batch, cores=132)
+        assert hidden % (cfg.split_k * cfg.block_k) == 0
+        assert cfg.block_rows >= 32 and 2 * cfg.num_stages * cfg.block_k * (
+            cfg.block_rows + fg.padded_batch(batch)) <= 160 * 1024
+        tiles = -(-valid // cfg.block_rows) + -(-shard // cfg.block_rows)
+        if hidden == 7168:  # room to split: every SM gets a program
+            assert tiles * cfg.split_k >= 132
+    assert fg.pick_config(112, 448, 256, 3) == fg.heuristic_config(112, 448, 256, 3, 132)
+
+
+def test_errors():
+    valid, split, shard = k3_shape(8)
+    w = jnp.zeros((split + shard, 64), jnp.bfloat16)
+    x = jnp.zeros((2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="x must be a 2-D bfloat16 array"):
+        fg.front_gemm(x.astype(jnp.float32), w, split, valid)
+    with pytest.raises(ValueError, match="packed must have x's width 64"):
+        fg.front_gemm(x, w[:, :32], split, valid)
+    with pytest.raises(ValueError, match="x is an empty batch"):
+        fg.front_gemm(x[:0], w, split, valid)
+    with pytest.raises(ValueError, match="need 0 < valid <= split < rows of packed"):
+        fg.front_gemm(x, w, valid - 1, valid)
+    with pytest.raises(ValueError, match="split must be a static int"):
+        fg.front_gemm(x, w, 112.0, valid)
+    with pytest.raises(ValueError, match=r"must be a multiple of block=32"):
+        fg.front_gemm_plan(x, w, split + 8, valid)
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        fg.front_gemm_plan(x, w, split, valid, block=24)
+    with pytest.raises(ValueError, match="needs hidden divisible by split_k"):
+        fg.front_gemm(x, w, split, valid, config=Cfg(32, 64, 2, 4, 3))
+    with pytest.raises(ValueError, match="FrontGemmConfig.block_rows must be a power of two"):
+        Cfg(24, 64, 1, 4, 3)
+    with pytest.raises(NotImplementedError, match="B <= 256 .* backend='xla'"):
+        fg.front_gemm(jnp.zeros((257, 64), jnp.bfloat16), w, split, valid)
+    with pytest.raises(NotImplementedError, match="multiple of 16"):
+        fg.front_gemm(x[:, :40], w[:, :40], split, valid)
+
+
+# --- on the GPU --------------------------------------------------------------------------------------
+
+
+@functools.cache
+def k3_weights():
+    return mf.init_weights(jax.random.key(0), K3, shared=False)
+
+
+def ulp_bf16(v):
+    """The bfloat16 unit in the last place at magnitude ``v`` (float64 in, float64 out)."""
+    exponent = np.floor(np.log2(np.maximum(np.abs(v), 2.0**-126)))
+    return np.exp2(exponent - 7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_gpu_matches_float64(tp):
+    """Logits within 1e-5 and the latent within one bfloat16 ulp of a float64 product, relative to
+    each value's magnitude measured at least at its row's RMS (fp32 accumulation cannot give entries
+    near zero a relative bound); on small-integer data the outputs are exact. The plan from the
+    epilogue is bit-equal to the reference's plan of the same latent, computed on the GPU."""
+    cfg = K3.with_tp(tp)
+    params = mf.pack_params(k3_weights(), cfg)
+    valid, split = cfg.experts_per_rank, params.split
+    for batch in (1, 7, 64, 256):
+        x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
+        gemm = jax.jit(lambda x, w: fg.front_gemm(x, w, split, valid))
+        logits, latent = gemm(x, params.packed)
+        y = exact_product(x, params.packed)
+        rms = np.sqrt((y**2).mean(axis=1, keepdims=True))
+        mag = np.maximum(np.abs(y), rms)
+        assert (np.abs(np.asarray(logits, np.float64) - y[:, :valid]) <= 1e-5 * mag[:, :valid]).all()
+        err = np.abs(np.asarray(latent.astype(jnp.float32), np.float64) - y[:, split:])
+        assert (err <= ulp_bf16(mag[:, split:])).all(), (tp, batch, (err / ulp_bf16(mag[:, split:])).max())
+
+        xe, we = exact_operands(batch, valid, split, cfg.latent_per_rank, K3.hidden, seed=tp)
+        logits, latent = gemm(xe, we)
+        ye = exact_product(xe, we)
+        np.testing.assert_array_equal(np.asarray(logits), ye[:, :valid].astype(np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(latent).view(np.uint16),
+            ye[:, split:].astype(ml_dtypes.bfloat16).view(np.uint16),
+        )
+
+        planned = jax.jit(lambda x, w: fg.front_gemm_plan(x, w, split, valid))
+        for data in ((x, params.packed), (xe, we)):
+            _, latent, plan = planned(*data)
+            want = jax.jit(reference.mxfp8_plan)(latent)
+            for got, ref in zip(plan_bytes(plan), plan_bytes(want)):
+                np.testing.assert_array_equal(got, ref)

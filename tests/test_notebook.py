@@ -1,0 +1,54 @@
+"""examples/equivalence.ipynb: committed without outputs, and executed here so it never goes stale."""
+
+import json
+import sys
+from pathlib import Path
+
+import nbformat
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "equivalence.ipynb"
+KERNEL = "moe-front-jax-tests"
+
+
+def test_notebook_is_committed_without_outputs():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
+
+
+def test_notebook_runs(tmp_path):
+    # A kernelspec of this very interpreter: whatever "python3" resolves to on this machine may be
+    # another environment without the package.
+    spec = tmp_path / "kernels" / KERNEL
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "moe-front-jax tests",
+        "language": "python",
+    }))
+    manager = KernelManager(
+        kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")])
+    )
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = NotebookClient(
+        nb, km=manager, kernel_name=KERNEL, timeout=240,
+        resources={"metadata": {"path": str(NOTEBOOK.parent)}},
+    )
+    client.execute()  # a failing chex assertion raises CellExecutionError
+    text = "".join(
+        output.get("text", "") for cell in nb.cells if cell.cell_type == "code" for output in cell.outputs
+    )
+    assert "backends that ran:" in text and "xla" in text.split("backends that ran:")[1]
+    tables = [
+        output["data"]["text/markdown"] for cell in nb.cells if cell.cell_type == "code"
+        for output in cell.outputs if "text/markdown" in output.get("data", {})
+    ]
+    assert tables
+    for row in ("| xla | 1 | 37 | moe_front | ok | exact |", "| xla | 1 | 37 | nn.MoEFront | ok | exact |",
+                "| xla | 8 | 37 | moe_front | ok | exact |", "| xla | 8 | 37 | nn.MoEFront | ok | exact |"):
+        assert row in tables[0], row
