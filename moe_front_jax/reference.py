@@ -120,21 +120,22 @@ def route(
     return ids.astype(jnp.int32), routing_weights(chosen, cfg)
 
 
-def e8m0_exponent(value: jax.Array) -> jax.Array:
-    """Biased E8M0 exponent (uint8) of ``value`` (float32, >= 0) rounded toward +inf, saturating.
+def plan_scale_exponent(amax_bits: jax.Array) -> jax.Array:
+    """Biased E8M0 exponent of ``amax / 448`` rounded toward +inf, from the float32 bits of a
+    bfloat16-exact ``amax >= 0`` (int32 or uint32 bits; the result has their dtype).
 
-    The smallest ``b`` in ``[0, 254]`` with ``2**(b - 127) >= value``: zero and values up to 2**-127
-    give 0; values above 2**127, infinities and NaN saturate at 254.
+    The smallest ``b`` in ``[0, 254]`` with ``2**(b - 127) >= amax / 448``, computed without the
+    division (XLA on CPU flushes a subnormal quotient to zero, and Triton's float32 division is
+    approximate). With ``amax = 1.m * 2**(E - 127)`` and ``448 = 1.75 * 2**8`` the quotient is
+    ``(1.m / 1.75) * 2**(E - 135)``: rounded up to a power of two it is ``2**(E - 135)`` when
+    ``1.m <= 1.75`` and twice that above, so ``b = E - 8 + (m > 0.75)``, clamped at 0 (quotients up
+    to 2**-127, zero and subnormal amax included) and 254 (infinity and NaN). A bfloat16 mantissa has
+    7 bits, so the quotient is never within a rounding of a power of two it does not equal.
     """
-    bits = lax.bitcast_convert_type(value.astype(jnp.float32), jnp.uint32)
-    exponent = (bits >> 23) & jnp.uint32(0xFF)
-    mantissa = bits & jnp.uint32(0x7FFFFF)
-    # A normal value 2**(E-127) * 1.m needs E, plus one when m != 0. A subnormal is
-    # mantissa * 2**-149 < 2**-126: it fits under 2**-127 (b = 0) up to mantissa 2**22.
-    normal = exponent + jnp.where(mantissa != 0, jnp.uint32(1), jnp.uint32(0))
-    subnormal = jnp.where(mantissa > jnp.uint32(0x400000), jnp.uint32(1), jnp.uint32(0))
-    biased = jnp.where(exponent == 0, subnormal, normal)
-    return jnp.minimum(biased, jnp.uint32(254)).astype(jnp.uint8)
+    exponent = (amax_bits >> 23) & 0xFF
+    above = jnp.where((amax_bits & 0x7FFFFF) > 0x600000, 1, 0).astype(amax_bits.dtype)
+    biased = jnp.maximum(exponent.astype(jnp.int32) - 8 + above.astype(jnp.int32), 0)
+    return jnp.where(exponent == 0xFF, 254, biased).astype(amax_bits.dtype)
 
 
 def e8m0_scale_down(values: jax.Array, exponent: jax.Array) -> jax.Array:
@@ -164,12 +165,12 @@ def mxfp8_plan(latent: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array
     Returns:
       ``values`` ``[B, L]`` float8_e4m3fn, ``float8_e4m3fn(clamp(v * inverse, -448, 448))`` rounded to
       nearest even, and ``scales`` ``[B, L / block]`` float8_e8m0fnu, ``amax / 448`` rounded up to a
-      power of two (``e8m0_exponent``); ``v * inverse`` as ``e8m0_scale_down`` computes it.
+      power of two (``plan_scale_exponent``); ``v * inverse`` as ``e8m0_scale_down`` computes it.
     """
     rows, width = latent.shape
     blocks = latent.astype(jnp.float32).reshape(rows, width // block, block)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
-    exponent = e8m0_exponent(amax / jnp.float32(E4M3_MAX))
+    exponent = plan_scale_exponent(lax.bitcast_convert_type(amax, jnp.uint32)).astype(jnp.uint8)
     scaled = jnp.clip(e8m0_scale_down(blocks, exponent[..., None]), -E4M3_MAX, E4M3_MAX)
     values = scaled.reshape(rows, width).astype(jnp.float8_e4m3fn)
     scales = lax.bitcast_convert_type(exponent, jnp.float8_e8m0fnu)

@@ -200,23 +200,6 @@ class Geometry:
         return self.hidden // self.config.split_k
 
 
-def _scale_exponent(amax_bits: jax.Array) -> jax.Array:
-    """Biased E8M0 exponent of ``amax / 448`` from the float32 bits of a bfloat16-exact ``amax``.
-
-    Equals ``reference.e8m0_exponent(amax / 448)`` without the division (Triton's float32 division is
-    approximate). With ``amax = 1.m * 2**(E - 127)`` and ``448 = 1.75 * 2**8`` the quotient is
-    ``(1.m / 1.75) * 2**(E - 135)``: rounded up to a power of two it is ``2**(E - 135)`` when
-    ``1.m <= 1.75`` and twice that above, so the biased exponent is ``E - 8 + (m > 0.75)``, clamped at
-    0 (quotients up to ``2**-127``) and 254 (infinity and NaN). A bfloat16 mantissa has 7 bits, so the
-    quotient is never within a rounding of a power of two it does not equal, and the correctly rounded
-    division of the reference lands on the same side.
-    """
-    exponent = (amax_bits >> 23) & 0xFF
-    above = jnp.where((amax_bits & 0x7FFFFF) > 0x600000, 1, 0)
-    biased = jnp.maximum(exponent - 8 + above, 0)
-    return jnp.where(exponent == 0xFF, 254, biased)
-
-
 def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     g, cfg = geometry, geometry.config
     split_k, plan = cfg.split_k, g.block is not None
@@ -278,7 +261,7 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
         blocks = latent.astype(jnp.float32).reshape(bp, nb, g.block)
         magnitude = lax.bitcast_convert_type(blocks, jnp.int32) & 0x7FFFFFFF
         # Integer max of |v|'s bits: float order for numbers, and NaN above infinity as in XLA.
-        exponent = _scale_exponent(jnp.max(magnitude, axis=2))  # [batch_tile, nb]
+        exponent = reference.plan_scale_exponent(jnp.max(magnitude, axis=2))  # [batch_tile, nb]
         scaled = reference.e8m0_scale_down(blocks, exponent[:, :, None])
         # Selects rather than min/max: Triton's float min/max drop NaN, the reference keeps it.
         top = reference.E4M3_MAX

@@ -63,6 +63,16 @@ def test_plan_nan_block():
     assert scales[0, 0] == 254 and scales[0, 1] == oracle.e8m0_byte(1 / 448)
 
 
+def test_scale_exponent_for_every_bfloat16():
+    """The division-free E8M0 exponent over all 65536 bfloat16 bit patterns as amax equals the
+    SPEC's, computed in float64 by the oracle (subnormal quotients included)."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    amax = np.abs(bits.view(ml_dtypes.bfloat16).astype(np.float32))
+    got = np.asarray(jax.jit(reference.plan_scale_exponent)(jnp.asarray(amax.view(np.int32))))
+    spec = np.array([oracle.e8m0_byte(float(a) / 448.0) for a in amax.astype(np.float64)])
+    np.testing.assert_array_equal(got, spec)
+
+
 def test_situ():
     rng = np.random.default_rng(1)
     gate = rng.normal(0, 6, 4096).astype(ml_dtypes.bfloat16)
