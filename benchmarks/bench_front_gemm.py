@@ -7,7 +7,8 @@ the kernel with the MXFP8 plan from its epilogue, XLA's ``dot_general`` over the
 the XLA reference stage (dot, slice, cast); effective TB/s over the weight bytes the kernel reads,
 the floor at the measured read ceiling, and the ratio XLA / kernel. Then the whole front at tp1
 (front GEMM + routing inside one jit) against the GEMM alone. The table prints last; the full results
-go to $OUT/bench_front_gemm.json.
+go to $OUT/bench_front_gemm.json, with the kernel and XLA's dot under ``rows`` in
+plot.py's format.
 """
 
 from __future__ import annotations
@@ -24,7 +25,22 @@ import jax.numpy as jnp
 import moe_front_jax as mf
 from moe_front_jax import backends, reference
 from moe_front_jax.pallas import front_gemm as fg
-from front_gemm_timing import Shape, cupti_us_per_call, decode_rows, packed_weights, tbs, xla_dot
+from front_gemm_timing import (
+    READ_CEILING_TBS, Shape, cupti_us_per_call, decode_rows, packed_weights, tbs, xla_dot,
+)
+
+
+FLOORS = {"front_gemm": {"bandwidth_gbs": READ_CEILING_TBS * 1e3,
+                         "label": f"weight read at {READ_CEILING_TBS} TB/s"}}
+
+
+def plot_rows(rows: list[dict], shapes: dict[int, Shape]) -> list[dict]:
+    """The kernel and XLA's ``dot_general`` per (tp, B) in plot.py's format."""
+    return [
+        dict(stage="front_gemm", backend=backend, tp=r["tp"], batch=r["batch"], time_us=r[key],
+             bytes=shapes[r["tp"]].weight_bytes)
+        for r in rows for backend, key in (("pallas", "us"), ("xla", "xla_dot_us"))
+    ]
 
 
 def main() -> None:
@@ -91,7 +107,8 @@ def main() -> None:
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_front_gemm.json"), "w") as f:
-        json.dump(dict(device=device.device_kind, gemm=rows, front=fronts), f, indent=1)
+        json.dump(dict(device=device.device_kind, rows=plot_rows(rows, shapes), floors=FLOORS,
+                       gemm=rows, front=fronts), f, indent=1)
     print(f"\n{'tp':>3} {'B':>4} {'kernel':>8} {'TB/s':>6} {'floor':>6} {'x floor':>7} "
           f"{'+plan':>7} {'xla dot':>8} {'xla/k':>6} {'xla stage':>9}   (us)")
     for r in rows:
