@@ -6,4 +6,4 @@ WHEELS=${WHEELS:-$(git rev-parse --show-toplevel 2>/dev/null || pwd)/.whl}
 python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "$WHEELS"/*.whl || return 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . || return 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-python3 -c "import jax, moe_front_jax; print('jax', jax.__version__, jax.devices())"
+python3 -P -c "import jax, moe_front_jax; print('jax', jax.__version__, jax.devices())"
