@@ -40,7 +40,9 @@ def main() -> None:
     tps, batches = list(map(int, args.tps.split(","))), list(map(int, args.batches.split(",")))
     shapes = {tp: Shape.k3(tp) for tp in tps}
     table = {}
-    if args.table:
+    if args.table and not os.path.exists(args.table):
+        print(f"no table at {args.table}: the package's table or the heuristic", flush=True)
+    elif args.table:
         entries = json.load(open(args.table))["entries"]
         table = {k: se.SharedExpertConfig.from_json(v) for k, v in entries.items()}
     # (gate_up, down) pairs, enough distinct pairs to exceed the rotation bytes together.
