@@ -43,6 +43,13 @@ Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the two kernels' split_k, their pa
   FLOPs  = 2 * B * 3 * S_r * H        (+ about 20 FLOPs and 3 transcendentals per hidden element)
 so the arithmetic intensity is about B FLOP/byte: memory-bound for decode batches; the floor on an
 H200 is the weight bytes over the HBM read bandwidth (56.8 us at tp1, 7.1 us at tp8 at 4.65 TB/s).
+
+Measured on the H200 (2026-12-03, tuned table, CUPTI, weights rotated; bench_shared_expert.py): tp1
+B=1/8/64 70.9/71.0/88.2 us (3.7/3.7/3.0 TB/s) against XLA's 72.8/70.1/80.8; tp8 16.6/16.9/25.3 us
+against 14.5/14.7/19.2. At tp8 each kernel is short (gate/up 11.5 us over 22 MB, down 5.0 us over
+11 MB at B=16): the split gate/up programs stream only 4 K steps each, so most of a program's time is
+its pipeline's fill, and the counters' zeroing kernel adds a launch. ``backends.AUTO_PREFERS_XLA``
+keeps XLA for ``"auto"``.
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ from moe_front_jax.pallas.streaming import (
     table_entries,
 )
 
-TABLE_FILES: dict[str, str] = {}
+TABLE_FILES = {"NVIDIA H200": "h200_shared_expert.json"}
 """Tuning table per device kind, under ``pallas/tuning/``."""
 SMEM_BUDGET = 160 * 1024
 """The heuristic's pipeline buffers per program stay under this."""

@@ -92,25 +92,24 @@ def assert_close_to_float64(got, want, tol):
     assert err.max() <= tol, err.max()
 
 
-@pytest.mark.parametrize("tp, batch, config", [
-    (8, 7, None),
-    (8, 64, se.SharedExpertConfig(G(64, 64, 2, 4, 2), G(64, 128, 2, 4, 2))),
-    (1, 3, se.SharedExpertConfig(G(128, 128, 1, 4, 2), G(64, 256, 2, 4, 2))),
+@pytest.mark.parametrize("tp, batch, config, out_dtype", [
+    (8, 37, se.SharedExpertConfig(G(64, 64, 2, 4, 2), G(64, 128, 2, 4, 2)), jnp.float32),
+    (1, 3, se.SharedExpertConfig(G(128, 128, 1, 4, 2), G(64, 256, 2, 4, 2)), jnp.bfloat16),
 ])
-def test_interpret_shared_expert_matches_reference_and_float64(tp, batch, config):
+def test_interpret_shared_expert_matches_reference_and_float64(tp, batch, config, out_dtype):
+    """Both kernels split K at tp8 (the float32 partial moe_front reduces); bfloat16 out at tp1."""
     cfg = dataclasses.replace(K3, hidden=SMALL_HIDDEN, tp=tp)
     weights = mf.init_weights(jax.random.key(tp), cfg)
     _, gate_up, down = rank_slices(weights, cfg, tp - 1, cfg.experts_per_rank)
     x = jax.random.normal(jax.random.key(batch), (batch, SMALL_HIDDEN)).astype(jnp.bfloat16)
-    for out_dtype in (jnp.float32, jnp.bfloat16):
-        got = jax.jit(lambda x, g, d: se.shared_expert(
-            x, g, d, cfg, out_dtype, interpret=True, config=config))(x, gate_up, down)
-        assert got.dtype == out_dtype and got.shape == (batch, SMALL_HIDDEN)
-        want = reference.shared_expert(x, gate_up, down, cfg, out_dtype)
-        # Summation order moves gate/up by float32 ulps, which can flip a bfloat16 rounding of
-        # gate, up or hidden: a few bfloat16 ulps at most, relative to the row.
-        assert_close_to_float64(got, want, 2.0**-6)
-        assert_close_to_float64(got, oracle.shared_expert(x, gate_up, down), 1e-2)
+    got = jax.jit(lambda x, g, d: se.shared_expert(
+        x, g, d, cfg, out_dtype, interpret=True, config=config))(x, gate_up, down)
+    assert got.dtype == out_dtype and got.shape == (batch, SMALL_HIDDEN)
+    want = reference.shared_expert(x, gate_up, down, cfg, out_dtype)
+    # Summation order moves gate/up by float32 ulps, which can flip a bfloat16 rounding of gate, up
+    # or hidden: a few bfloat16 ulps at most, relative to the row.
+    assert_close_to_float64(got, want, 2.0**-6)
+    assert_close_to_float64(got, oracle.shared_expert(x, gate_up, down), 1e-2)
 
 
 def route_any(logits, bias, cfg, *, interpret):
