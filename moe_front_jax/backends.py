@@ -39,16 +39,19 @@ REFERENCE: dict[str, Callable] = {
 KERNELS: dict[str, str] = {
     "front_gemm": "moe_front_jax.pallas.front_gemm:front_gemm",
     "front_gemm_plan": "moe_front_jax.pallas.front_gemm:front_gemm_plan",
+    "shared_expert": "moe_front_jax.pallas.shared_expert:shared_expert",
 }
 PENDING: dict[str, str] = {
     "route": "issue #3 (the exact top-k routing kernel)",
-    "plan": "issue #7 (the MXFP8 plan and shared expert kernels)",
-    "shared_expert": "issue #7 (the MXFP8 plan and shared expert kernels)",
+    "plan": "issue #7 (the standalone MXFP8 plan kernel; front_gemm_plan writes the plan from the "
+    "front GEMM's epilogue)",
 }
 
 # Stages whose kernel measured slower than the XLA reference on the H200 (benchmarks/RESULTS.md):
-# "auto" keeps the reference for them; "pallas" still runs the kernel.
-AUTO_PREFERS_XLA: frozenset[str] = frozenset({"front_gemm", "front_gemm_plan"})
+# "auto" keeps the reference for them; "pallas" still runs the kernel. shared_expert (2026-12-03, CUPTI,
+# weights rotated): tp1 B=1/8/64 70.9/71.0/88.2 us vs XLA 72.8/70.1/80.8; tp8 16.6/16.9/25.3 vs
+# 14.5/14.7/19.2.
+AUTO_PREFERS_XLA: frozenset[str] = frozenset({"front_gemm", "front_gemm_plan", "shared_expert"})
 
 
 def check_backend(backend: str) -> str:

@@ -20,7 +20,8 @@ never straddle tiles whatever ``split`` is. The row tiles alone are too few to f
 shard has 560 rows), so K is split over ``split_k`` programs per tile: each writes its float32 partial
 tile to a workspace, then takes a ticket from the tile's counter (an acquire-release atomic after a
 CTA barrier); the last of the tile's programs to arrive sums the ``split_k`` partials in a fixed order
-(so results do not depend on arrival order) and runs the epilogue. That reduction lives in the GEMM
+(so results do not depend on arrival order) and runs the epilogue (``streaming.finish_split_k``, shared
+with the shared expert's kernels). That reduction lives in the GEMM
 kernel rather than in a second Pallas kernel so that no cast or reduction pass follows it; its price
 is the partials' round trip through L2 (``2 * 4 * B * n * split_k`` bytes when split) and a zeroed
 int32 counter per tile, which XLA writes with a small broadcast kernel before the GEMM (a fresh
@@ -47,9 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import math
-from importlib import resources
 
 import jax
 import jax.numpy as jnp
@@ -58,57 +56,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_front_jax import reference
+from moe_front_jax.pallas.streaming import (  # noqa: F401  (re-exported: the kernel's public names)
+    MAX_BATCH,
+    MIN_DOT,
+    GemmConfig,
+    core_count,
+    device_kind,
+    finish_split_k,
+    masked_load,
+    padded_batch,
+    split_for_cores,
+    split_k_workspace,
+    table_entries,
+)
 
-MAX_BATCH = 256
-"""Largest batch one call covers: the accumulator tile is ``block_rows x`` the padded batch."""
-MIN_DOT = 16
-"""Smallest M, N and K of a Triton tensor-core dot; batches are padded (masked) up to it."""
 TABLE_FILES = {"NVIDIA H200": "h200_front_gemm.json"}
 """Tuning table per device kind, under ``pallas/tuning/``."""
 
 
-@dataclasses.dataclass(frozen=True)
-class FrontGemmConfig:
-    """Block shapes and schedule of the front GEMM.
-
-    Attributes:
-      block_rows: weight rows per program (the dot's M), a power of two >= 16; >= the plan block
-        when the plan is written.
-      block_k: K elements per pipelined step, a power of two >= 16.
-      split_k: programs sharing one tile of rows, each over ``H / split_k`` of K; ``H`` must be a
-        multiple of ``split_k * block_k``.
-      num_warps, num_stages: Triton's warps per program and software-pipeline depth.
-    """
-
-    block_rows: int
-    block_k: int
-    split_k: int
-    num_warps: int
-    num_stages: int
-
-    def __post_init__(self):
-        for name in ("block_rows", "block_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < MIN_DOT or value & (value - 1):
-                raise ValueError(f"FrontGemmConfig.{name} must be a power of two >= 16, got {value!r}")
-        for name in ("split_k", "num_warps", "num_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"FrontGemmConfig.{name} must be a positive int, got {value!r}")
-
-
-def padded_batch(batch: int) -> int:
-    """The batch tile: ``batch`` rounded up to a power of two, at least 16 (the table's key)."""
-    return max(MIN_DOT, 1 << (batch - 1).bit_length())
-
-
-def device_kind() -> str:
-    """Kind of the device being compiled for: the abstract mesh's (ahead-of-time lowering), or the
-    default device's."""
-    abstract = jax.sharding.get_abstract_mesh().abstract_device
-    if abstract is not None:
-        return abstract.device_kind
-    return jax.devices()[0].device_kind
+class FrontGemmConfig(GemmConfig):
+    """Block shapes and schedule of the front GEMM (``streaming.GemmConfig``); ``block_rows`` is at
+    least the plan block when the plan is written (the kernel widens narrower tiles)."""
 
 
 def table_key(valid: int, shard: int, hidden: int, batch: int) -> str:
@@ -126,9 +94,8 @@ def load_table(kind: str) -> dict[tuple[str, bool], FrontGemmConfig]:
     name = TABLE_FILES.get(kind)
     if name is None:
         return {}
-    text = resources.files("moe_front_jax.pallas").joinpath("tuning", name).read_text()
     table = {}
-    for key, entry in json.loads(text)["entries"].items():
+    for key, entry in table_entries(name).items():
         table[key, False] = FrontGemmConfig(**entry["config"])
         table[key, True] = FrontGemmConfig(**entry.get("plan_config", entry["config"]))
     return table
@@ -146,8 +113,7 @@ def heuristic_config(valid: int, shard: int, hidden: int, batch: int, cores: int
     block_k = next(k for k in ((64, 32, 16) if bp >= 128 else (128, 64, 32, 16)) if hidden % k == 0)
     tiles = -(-valid // block_rows) + -(-shard // block_rows)
     steps = hidden // block_k
-    splits = [s for s in range(1, steps + 1) if steps % s == 0 and steps // s >= 2] or [1]
-    split_k = next((s for s in splits if tiles * s >= cores), splits[-1])
+    split_k = split_for_cores(tiles, steps, cores)
     num_warps = 8 if block_rows * bp >= 128 * 128 else 4
     depth = (160 * 1024) // (2 * block_k * (block_rows + bp))
     num_stages = max(2, min(5, depth, steps // split_k))
@@ -163,8 +129,7 @@ def pick_config(
     found = load_table(kind).get((table_key(valid, shard, hidden, batch), plan))
     if found is not None:
         return found
-    cores = getattr(jax.devices()[0], "core_count", None) or 132
-    return heuristic_config(valid, shard, hidden, batch, cores)
+    return heuristic_config(valid, shard, hidden, batch, core_count())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,10 +190,6 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     batch_mask = batch_ok if g.batch < bp else None
     k_first = part * g.k_chunk
 
-    def masked_load(ref, mask, eviction_policy=None):
-        other = None if mask is None else 0.0
-        return plgpu.load(ref, mask=mask, other=other, eviction_policy=eviction_policy)
-
     def step(i, acc):
         k = pl.multiple_of(k_first + i * bk, bk)
         # The weight is read once per call: first out of L2, so x and the partials stay.
@@ -276,25 +237,10 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
             mask=block_ok,
         )
 
-    if split_k == 1:
-        epilogue(acc)
-        return
-
-    plgpu.store(partials_ref.at[part, tile], acc, mask=batch_ok.T)
-    if not interpret:  # interpret mode runs programs one at a time (and has no barrier rule)
-        # Every thread's partial stores happen before the ticket's release (a CTA barrier, then one
-        # thread's acquire-release atomic: cumulativity carries the other threads' stores).
-        plgpu.debug_barrier()
-    ticket = plgpu.atomic_add(counters_ref, tile, jnp.int32(1))
-
-    @pl.when(ticket == split_k - 1)
-    def _():
-        total = jnp.zeros((bn, bp), jnp.float32)
-        for other in range(split_k):
-            # The ticket's acquire (gpu scope) makes the other programs' partials visible here;
-            # no line of them can sit in this SM's L1, which only this program reads them into.
-            total += plgpu.load(partials_ref.at[jnp.int32(other), tile], mask=batch_ok.T, other=0.0)
-        epilogue(total)
+    finish_split_k(
+        [acc], partials_ref, counters_ref, split_k=split_k, part=part, tile=tile,
+        mask=batch_ok.T, interpret=interpret, epilogue=epilogue,
+    )
 
 
 def _check(x, packed, split, valid, block) -> None:
@@ -337,11 +283,7 @@ def _resolve(config, valid, shard, hidden, batch, block) -> FrontGemmConfig:
     config = config or pick_config(valid, shard, hidden, batch, plan=block is not None)
     if not isinstance(config, FrontGemmConfig):
         raise ValueError(f"config must be a FrontGemmConfig or None, got {type(config).__name__}")
-    if hidden % (config.split_k * config.block_k):
-        raise ValueError(
-            f"config {config} needs hidden divisible by split_k * block_k = "
-            f"{config.split_k * config.block_k}, got hidden={hidden}"
-        )
+    config.check_divides(hidden, "hidden")
     if block is not None and config.block_rows < block:
         # An MXFP8 block must lie in one tile: widen the tiles, keeping the schedule otherwise.
         config = dataclasses.replace(config, block_rows=max(block, MIN_DOT))
@@ -364,14 +306,10 @@ def _call(x, packed, split, valid, block, interpret, config):
             jax.ShapeDtypeStruct((batch, g.shard // block), jnp.uint8),
         ]
     args, aliases = [x, packed], {}
-    if config.split_k > 1:
-        out_shape += [
-            jax.ShapeDtypeStruct(
-                (config.split_k, g.tiles, config.block_rows, g.batch_tile), jnp.float32
-            ),
-            jax.ShapeDtypeStruct((g.tiles,), jnp.int32),
-        ]
-        args.append(jnp.zeros((g.tiles,), jnp.int32))
+    workspace, counters = split_k_workspace(config, g.tiles, 1, g.batch_tile)
+    if counters:
+        out_shape += workspace
+        args += counters
         aliases = {2: len(out_shape) - 1}
     outs = pl.pallas_call(
         functools.partial(_kernel, geometry=g, interpret=interpret),

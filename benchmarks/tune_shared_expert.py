@@ -1,0 +1,189 @@
+"""Regenerate the shared expert's tuning table on the GPU: pallas/tuning/<device>_shared_expert.json.
+
+For each tp shape of K3 and padded batch it compiles a pruned set of schedules for each of the two
+kernels (gate/up with situ; down), checks each against XLA on the same data, times the correct ones
+with CUPTI over weights rotated past the L2, and keeps the fastest of each (the kernels are
+independent: a call's time is the sum).
+
+  python benchmarks/tune_shared_expert.py --out $OUT [--table pallas/tuning/h200_shared_expert.json]
+
+Prints one line per (tp, batch) last; the full results go to $OUT/tune_shared_expert.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_front_jax import reference
+from moe_front_jax.pallas import shared_expert as se
+from moe_front_jax.pallas.streaming import GemmConfig, padded_batch
+from front_gemm_timing import cupti_us_per_call, tbs, xla_dot
+from shared_expert_timing import Shape, down_copies, gate_up_copies, rows
+
+SMEM_BUDGET = 200 * 1024
+"""Pipeline buffers per program stay under this (an H200 SM has 227 KiB of shared memory)."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(row_count: int, k: int, parts: int, bp: int, cores: int = 132) -> list[GemmConfig]:
+    """Schedules worth timing for one kernel: rows per program 16, 32, 64 (``parts`` row blocks
+    each); K steps of 128 and 256; no split where the tiles alone give every SM a program, else the
+    smallest split that does and the smallest that gives two; the deepest pipeline that fits."""
+    out = []
+    for bn in (16, 32, 64):
+        tiles = -(-row_count // bn)
+        for bk in (128, 256):
+            if k % bk:
+                continue
+            steps = k // bk
+            splits = [s for s in divisors(steps) if steps // s >= 2]
+            chosen = []
+            for target in (cores, 2 * cores):
+                fit = [s for s in splits if tiles * s >= target]
+                if fit and fit[0] not in chosen:
+                    chosen.append(fit[0])
+            chosen = chosen or splits[-1:]
+            warps = 4 if parts * bn * bp <= 64 * 64 else 8
+            deepest = min(6, SMEM_BUDGET // (2 * bk * (parts * bn + bp)))
+            for s in chosen:
+                depth = min(deepest, steps // s)
+                if depth >= 2:
+                    out.append(GemmConfig(bn, bk, s, warps, depth))
+    return list(dict.fromkeys(out))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--table", default=None, help="write the table here")
+    parser.add_argument("--tps", default="1,8")
+    parser.add_argument("--batches", default="16,64")
+    parser.add_argument("--budget-s", type=float, default=100.0)
+    parser.add_argument("--workers", type=int, default=16)
+    args = parser.parse_args()
+    start = time.time()
+    device = jax.devices()[0]
+    kind = device.device_kind
+    print("device", kind, "cores", getattr(device, "core_count", None), flush=True)
+    shapes = {tp: Shape.k3(tp) for tp in map(int, args.tps.split(","))}
+    batches = list(map(int, args.batches.split(",")))
+
+    weights, data, refs = {}, {}, {}
+    for tp, s in shapes.items():
+        weights[tp, "gate_up"], weights[tp, "down"] = gate_up_copies(s), down_copies(s)
+        for bp in batches:
+            x, h = rows(bp, s.hidden), rows(bp, s.shared, seed=3)
+            data[tp, bp, "gate_up"], data[tp, bp, "down"] = x, h
+            gu = weights[tp, "gate_up"][0]
+            g, u = (y.astype(jnp.bfloat16) for y in jnp.split(xla_dot(x, gu), 2, axis=1))
+            refs[tp, bp, "gate_up"] = reference.situ(g, u, 4.0, 25.0)
+            refs[tp, bp, "down"] = xla_dot(h, weights[tp, "down"][0])
+
+    per_key = []
+    for tp, s in shapes.items():
+        for bp in batches:
+            per_key.append([(tp, bp, "gate_up", c) for c in candidates(s.shared, s.hidden, 2, bp)])
+            per_key.append([(tp, bp, "down", c) for c in candidates(s.hidden, s.shared, 1, bp)])
+    jobs = [lst[i] for i in range(max(map(len, per_key))) for lst in per_key if i < len(lst)]
+    print(f"{len(jobs)} variants", flush=True)
+
+    def compile_one(job):
+        tp, bp, kernel, c = job
+        if kernel == "gate_up":
+            fn = lambda x, w: se.gate_up_situ(x, w, 4.0, 25.0, config=c)  # noqa: E731
+        else:
+            fn = lambda h, w: se.down_proj(h, w, jnp.float32, config=c)  # noqa: E731
+        return jax.jit(fn).lower(data[tp, bp, kernel], weights[tp, kernel][0]).compile()
+
+    def check(kernel, got, want):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        scale = np.abs(want).max(axis=1, keepdims=True) + 1e-30
+        err = (np.abs(got - want) / scale).max()
+        limit = 2.0**-6 if kernel == "gate_up" else 1e-5  # bf16 roundings may flip; float32 sums
+        return None if err <= limit else f"mismatch {err:.2e} of the row's max"
+
+    results = []
+    deadline = time.time() + args.budget_s
+    with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
+        futures = [(job, pool.submit(compile_one, job)) for job in jobs]
+        for job, future in futures:
+            tp, bp, kernel, c = job
+            row = dict(tp=tp, batch=bp, kernel=kernel, config=dataclasses.asdict(c))
+            if time.time() > deadline:
+                future.cancel()
+                row["error"] = "skipped: time budget"
+                results.append(row)
+                continue
+            try:
+                fn = future.result()
+                bad = check(kernel, fn(data[tp, bp, kernel], weights[tp, kernel][0]),
+                            refs[tp, bp, kernel])
+                if bad:
+                    row["error"] = bad
+                else:
+                    us, kernels = cupti_us_per_call(fn, data[tp, bp, kernel], weights[tp, kernel])
+                    row.update(us=us, kernels=kernels)
+            except Exception as e:  # a variant that fails is recorded, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                traceback.print_exc(limit=1)
+            results.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+
+    best = {}
+    for row in results:
+        key = (row["tp"], row["batch"], row["kernel"])
+        if "us" in row and (key not in best or row["us"] < best[key]["us"]):
+            best[key] = row
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tune_shared_expert.json"), "w") as f:
+        json.dump(dict(device=kind, results=results), f, indent=1)
+    entries = {}
+    for tp, s in shapes.items():
+        for bp in batches:
+            if (tp, bp, "gate_up") in best and (tp, bp, "down") in best:
+                gu, dn = best[tp, bp, "gate_up"], best[tp, bp, "down"]
+                entries[se.table_key(s.shared, s.hidden, bp)] = dict(
+                    tp=tp, gate_up=gu["config"], down=dn["config"],
+                    gate_up_us=round(gu["us"], 3), down_us=round(dn["us"], 3),
+                    us=round(gu["us"] + dn["us"], 3),
+                )
+    table = dict(device_kind=kind, generated=time.strftime("%Y-%m-%d"),
+                 command="python benchmarks/tune_shared_expert.py --table "
+                         "pallas/tuning/h200_shared_expert.json", entries=entries)
+    for path in filter(None, [args.table, os.path.join(args.out, "h200_shared_expert.json")]):
+        with open(path, "w") as f:
+            json.dump(table, f, indent=1)
+            f.write("\n")
+    print(f"\n{'tp':>3} {'B':>4} {'gate_up us':>10} {'TB/s':>6} {'down us':>8} {'TB/s':>6} "
+          f"{'sum':>7}  gate_up config | down config")
+    for tp, s in shapes.items():
+        for bp in batches:
+            gu, dn = best.get((tp, bp, "gate_up")), best.get((tp, bp, "down"))
+            if not (gu and dn):
+                print(f"{tp:>3} {bp:>4} (no working schedule)")
+                continue
+            f = lambda c: f"bn{c['block_rows']} bk{c['block_k']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}"  # noqa: E731
+            print(f"{tp:>3} {bp:>4} {gu['us']:>10.2f} {tbs(s.gate_up_bytes, gu['us']):>6.2f} "
+                  f"{dn['us']:>8.2f} {tbs(s.down_bytes, dn['us']):>6.2f} {gu['us'] + dn['us']:>7.2f}"
+                  f"  {f(gu['config'])} | {f(dn['config'])}")
+    failed = sum("error" in r for r in results)
+    print(f"{len(results)} variants, {failed} failed or skipped, {time.time() - start:.0f} s")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

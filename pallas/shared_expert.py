@@ -1,0 +1,373 @@
+"""The shared expert as two Pallas kernels: gate/up with situ in its epilogue, then down (SPEC 6).
+
+``shared_expert(x, gate_up, down, cfg, out_dtype)`` computes, on one rank's slice (``S_r = S / tp``),
+
+    gate, up = bf16(x @ gate_up[:S_r].T), bf16(x @ gate_up[S_r:].T)   float32 accumulation
+    hidden   = situ(gate, up)                                          bf16 [B, S_r]   (kernel 1)
+    shared   = hidden @ down.T                                         float32 accumulation, [B, H]
+                                                                       out_dtype        (kernel 2)
+
+The float32 gate and up never leave the first kernel: its epilogue rounds them to bfloat16, applies
+``reference.situ`` (the same float32 arithmetic) and writes only ``hidden``, ``2 * B * S_r`` bytes.
+Under tp the result is this rank's partial sum (``out_dtype=float32``), reduced by the caller
+(``parallel.reduce_shared``).
+
+Schedule. Both GEMMs are bound by reading their weight, so each is ``streaming``'s schedule: every
+program streams one slab of the weight, ``block_rows`` rows by a ``K / split_k`` chunk of K, in
+``block_k`` steps that Triton's software pipeliner keeps ``num_stages`` deep, and when K is split the
+tile's last program to arrive sums the float32 partials in a fixed order and runs the epilogue
+(``streaming.finish_split_k``). Situ needs gate row ``j`` and up row ``j`` in the same program: each
+gate/up program loads TWO row blocks per K step, ``gate_up[r : r + block_rows]`` and
+``gate_up[S_r + r : S_r + r + block_rows]``, into two accumulators (two contiguous slabs, as cheap to
+stream as one of twice the height), so the weight keeps its checkpoint layout (gate rows, then up
+rows; ``params.rank_slices``) and nothing is repacked. A gate/up tile is ``2 * block_rows`` weight
+rows. At tp1 the tiles alone fill the GPU (6144 / 32 = 192 tiles); at tp8 a rank has 768 gate and
+768 up rows, 48 tiles of 16, too few for 132 SMs, so K (7168) is split, e.g. 4 ways: 192 programs of
+32 rows x 1792. The down GEMM has ``N = H = 7168`` rows and ``K = S_r`` (6144 at tp1, only 768 at
+tp8): its row tiles alone give 224 programs of 32 rows, so it rarely needs a split. Two launches per
+call (plus, when a kernel splits K, XLA's zeroing of its int32 counters), as XLA's own fusion needs.
+
+Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working), for the reasons of
+``front_gemm``: a pipelined K loop, small-M tensor-core dots, masks and global atomics are what Triton
+does well; tanh lowers to libdevice and the sigmoid to ``1 / (1 + exp(-g))``. Mosaic GPU would need
+the pipeline, the tiny-M tiles and the split-K handshake written by hand.
+
+Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the two kernels' split_k, their partials 0 when 1):
+  bytes  = 2 * 2 * S_r * H            gate_up read: 176 MB at tp1, 22 MB at tp8 for K3
+         + 2 * H * S_r                down read: 88 MB at tp1, 11 MB at tp8
+                                      (the weights: 264.2 MB at tp1, 33.0 MB at tp8: the bound)
+         + 2 * B * H                  x (read from L2 by every tile)
+         + 2 * 2 * B * S_r            hidden written, then read by every down tile from L2
+         + B * H * size(out_dtype)    shared written
+         + 8 * B * 2 * S_r * s1 + 8 * B * H * s2   partial tiles written and read back
+  FLOPs  = 2 * B * 3 * S_r * H        (+ about 20 FLOPs and 3 transcendentals per hidden element)
+so the arithmetic intensity is about B FLOP/byte: memory-bound for decode batches; the floor on an
+H200 is the weight bytes over the HBM read bandwidth (56.8 us at tp1, 7.1 us at tp8 at 4.65 TB/s).
+
+Measured on the H200 (2026-12-03, tuned table, CUPTI, weights rotated; bench_shared_expert.py): tp1
+B=1/8/64 70.9/71.0/88.2 us (3.7/3.7/3.0 TB/s) against XLA's 72.8/70.1/80.8; tp8 16.6/16.9/25.3 us
+against 14.5/14.7/19.2. At tp8 each kernel is short (gate/up 11.5 us over 22 MB, down 5.0 us over
+11 MB at B=16): the split gate/up programs stream only 4 K steps each, so most of a program's time is
+its pipeline's fill, and the counters' zeroing kernel adds a launch. ``backends.AUTO_PREFERS_XLA``
+keeps XLA for ``"auto"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_front_jax import reference
+from moe_front_jax.config import FrontConfig
+from moe_front_jax.pallas.streaming import (
+    MAX_BATCH,
+    MIN_DOT,
+    GemmConfig,
+    core_count,
+    device_kind,
+    finish_split_k,
+    masked_load,
+    padded_batch,
+    split_for_cores,
+    split_k_workspace,
+    table_entries,
+)
+
+TABLE_FILES = {"NVIDIA H200": "h200_shared_expert.json"}
+"""Tuning table per device kind, under ``pallas/tuning/``."""
+SMEM_BUDGET = 160 * 1024
+"""The heuristic's pipeline buffers per program stay under this."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedExpertConfig:
+    """Schedules of the two kernels.
+
+    Attributes:
+      gate_up: the gate/up GEMM's (``block_rows`` gate rows and as many up rows per program; K = H).
+      down: the down GEMM's (``block_rows`` of the H output rows per program; K = S_r).
+    """
+
+    gate_up: GemmConfig
+    down: GemmConfig
+
+    def __post_init__(self):
+        for name in ("gate_up", "down"):
+            if not isinstance(getattr(self, name), GemmConfig):
+                raise ValueError(
+                    f"SharedExpertConfig.{name} must be a GemmConfig, got {getattr(self, name)!r}"
+                )
+
+    @classmethod
+    def from_json(cls, entry: dict) -> SharedExpertConfig:
+        return cls(GemmConfig(**entry["gate_up"]), GemmConfig(**entry["down"]))
+
+
+def table_key(shared_per_rank: int, hidden: int, batch: int) -> str:
+    """Key of a tuning-table entry: the rank's slice and the padded batch."""
+    return f"shared={shared_per_rank},hidden={hidden},batch={padded_batch(batch)}"
+
+
+def load_table(kind: str) -> dict[str, SharedExpertConfig]:
+    """The tuning table of device ``kind``: ``key -> config`` (empty where there is none)."""
+    name = TABLE_FILES.get(kind)
+    if name is None:
+        return {}
+    return {key: SharedExpertConfig.from_json(entry) for key, entry in table_entries(name).items()}
+
+
+def _block_k(k: int, bp: int) -> int:
+    return next((b for b in ((64, 32, 16) if bp >= 128 else (128, 64, 32, 16)) if k % b == 0), MIN_DOT)
+
+
+def _schedule(tiles: int, k: int, block_rows: int, parts: int, bp: int, cores: int) -> GemmConfig:
+    block_k = _block_k(k, bp)
+    steps = k // block_k
+    split_k = split_for_cores(tiles, steps, cores)
+    num_warps = 8 if parts * block_rows * bp >= 128 * 128 else 4
+    depth = SMEM_BUDGET // (2 * block_k * (parts * block_rows + bp))
+    num_stages = max(2, min(5, depth, steps // split_k))
+    return GemmConfig(block_rows, block_k, split_k, num_warps, num_stages)
+
+
+def heuristic_config(shared_per_rank: int, hidden: int, batch: int, cores: int) -> SharedExpertConfig:
+    """Schedules for a device without a table.
+
+    Gate/up programs take 16 gate + 16 up rows up to a batch tile of 32, twice that above (each tile
+    re-reads ``x`` from L2); down programs 32 rows, 64 above a batch tile of 64. K is split, keeping at
+    least two K steps per program, until every one of ``cores`` SMs has a program; the pipeline is as
+    deep as 160 KiB of shared memory allows (up to 5).
+    """
+    bp = padded_batch(batch)
+    gate_rows = 16 if bp <= 32 else 32
+    down_rows = 32 if bp <= 64 else 64
+    return SharedExpertConfig(
+        _schedule(-(-shared_per_rank // gate_rows), hidden, gate_rows, 2, bp, cores),
+        _schedule(-(-hidden // down_rows), shared_per_rank, down_rows, 1, bp, cores),
+    )
+
+
+def pick_config(shared_per_rank: int, hidden: int, batch: int) -> SharedExpertConfig:
+    """The table's entry for this shape on the target device, else ``heuristic_config``."""
+    found = load_table(device_kind()).get(table_key(shared_per_rank, hidden, batch))
+    if found is not None:
+        return found
+    return heuristic_config(shared_per_rank, hidden, batch, core_count())
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static shapes of one GEMM of a call: ``rows`` output rows (per part) over K = ``depth``."""
+
+    batch: int
+    depth: int
+    rows: int
+    config: GemmConfig
+
+    @property
+    def batch_tile(self) -> int:
+        return padded_batch(self.batch)
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.rows // self.config.block_rows)
+
+    @property
+    def k_chunk(self) -> int:
+        return self.depth // self.config.split_k
+
+
+def _stream(x_ref, w_ref, first_rows, g: Geometry, rows_mask, batch_mask):
+    """The K loop of one program: ``[block_rows, batch_tile]`` float32 products of the weight rows
+    starting at each of ``first_rows`` with ``x``, over this program's chunk of K."""
+    bn, bp, bk = g.config.block_rows, g.batch_tile, g.config.block_k
+    k_first = pl.program_id(0) * g.k_chunk
+
+    def step(i, accs):
+        k = pl.multiple_of(k_first + i * bk, bk)
+        xs = masked_load(x_ref.at[pl.ds(0, bp), pl.ds(k, bk)], batch_mask)
+        out = []
+        for acc, first in zip(accs, first_rows):
+            # The weight is read once per call: first out of L2, so x and the partials stay.
+            w = masked_load(w_ref.at[pl.ds(first, bn), pl.ds(k, bk)], rows_mask, "evict_first")
+            out.append(acc + lax.dot_general(
+                w, xs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            ))
+        return tuple(out)
+
+    zeros = tuple(jnp.zeros((bn, bp), jnp.float32) for _ in first_rows)
+    return lax.fori_loop(0, g.k_chunk // bk, step, zeros)
+
+
+def _kernel(x_ref, w_ref, *refs, geometry: Geometry, situ, out_dtype, interpret: bool):
+    """One program of either GEMM: ``situ`` = (beta, linear_beta) makes it the gate/up kernel (two
+    row blocks, ``geometry.rows`` apart, and the situ epilogue), None the down kernel."""
+    g, cfg = geometry, geometry.config
+    split_k = cfg.split_k
+    if split_k > 1:
+        refs = refs[1:]  # the counters' input ref; its aliased output ref comes last
+    out_ref, *refs = refs
+    partials_ref, counters_ref = refs if split_k > 1 else (None, None)
+    bn, bp = cfg.block_rows, g.batch_tile
+    tile = pl.program_id(1)
+    first_row = tile * bn
+    row_ok = (first_row + lax.broadcasted_iota(jnp.int32, (bn, 1), 0)) < g.rows
+    batch_ok = lax.broadcasted_iota(jnp.int32, (bp, 1), 0) < g.batch
+    # Masks only where a tile can run past the rows or the batch past B: an unmasked load is plain
+    # 16-byte vectors with no predicate.
+    rows_mask = row_ok if g.rows % bn else None
+    batch_mask = batch_ok if g.batch < bp else None
+    first_rows = (first_row, first_row + g.rows) if situ else (first_row,)
+    accs = _stream(x_ref, w_ref, first_rows, g, rows_mask, batch_mask)
+
+    def epilogue(*ys):  # each [block_rows, batch_tile] float32, the finished tile
+        out_ok = row_ok.T & batch_ok  # [batch_tile, block_rows]
+        if situ:
+            gate, up = (y.T.astype(jnp.bfloat16) for y in ys)
+            out = reference.situ(gate, up, *situ)
+        else:
+            out = ys[0].T.astype(out_dtype)
+        plgpu.store(out_ref.at[pl.ds(0, bp), pl.ds(first_row, bn)], out, mask=out_ok)
+
+    finish_split_k(
+        accs, partials_ref, counters_ref, split_k=split_k, part=pl.program_id(0), tile=tile,
+        mask=None if batch_mask is None else batch_mask.T, interpret=interpret, epilogue=epilogue,
+    )
+
+
+def _gemm(x, w, rows, out_dtype, config, situ, interpret, name):
+    batch, depth = x.shape
+    config.check_divides(depth, "K")
+    g = Geometry(batch, depth, rows, config)
+    parts = 2 if situ else 1
+    workspace, counters = split_k_workspace(config, g.tiles, parts, g.batch_tile)
+    out_shape = [jax.ShapeDtypeStruct((batch, rows), out_dtype)] + workspace
+    out = pl.pallas_call(
+        functools.partial(
+            _kernel, geometry=g, situ=situ, out_dtype=out_dtype, interpret=interpret
+        ),
+        out_shape=out_shape,
+        grid=(config.split_k, g.tiles),
+        input_output_aliases={2: len(out_shape) - 1} if counters else {},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages
+        ),
+        name=name,
+    )(x, w, *counters)
+    return out[0]
+
+
+def _check(x, gate_up, down, cfg, out_dtype) -> None:
+    for name, array in (("x", x), ("gate_up", gate_up), ("down", down)):
+        shape = getattr(array, "shape", None)
+        if shape is None or len(shape) != 2 or array.dtype != jnp.bfloat16:
+            raise ValueError(
+                f"{name} must be a 2-D bfloat16 array, got {shape} {getattr(array, 'dtype', None)}"
+            )
+    if not isinstance(cfg, FrontConfig):
+        raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
+    (batch, hidden), (two_s, gu_hidden) = x.shape, gate_up.shape
+    if gu_hidden != hidden or two_s == 0 or two_s % 2:
+        raise ValueError(
+            f"gate_up must be [2 S_r, H={hidden}] with S_r >= 1, got {gate_up.shape}"
+        )
+    if down.shape != (hidden, two_s // 2):
+        raise ValueError(
+            f"down must be [H, S_r] = {(hidden, two_s // 2)} to match x and gate_up, got {down.shape}"
+        )
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    if batch == 0:
+        raise ValueError(f"x is an empty batch (shape {x.shape}); B must be >= 1")
+    if batch > MAX_BATCH:
+        raise NotImplementedError(
+            f"shared_expert covers B <= {MAX_BATCH} rows per call, got B={batch}; split the batch, "
+            "or use backend='xla'"
+        )
+    if hidden % MIN_DOT or (two_s // 2) % MIN_DOT:
+        raise NotImplementedError(
+            f"shared_expert needs H and S_r to be multiples of {MIN_DOT}, got H={hidden}, "
+            f"S_r={two_s // 2}; use backend='xla'"
+        )
+
+
+def gate_up_situ(
+    x: jax.Array,
+    gate_up: jax.Array,
+    beta: float,
+    linear_beta: float,
+    *,
+    interpret: bool = False,
+    config: GemmConfig,
+) -> jax.Array:
+    """Kernel 1: ``situ(bf16(x @ gate.T), bf16(x @ up.T))`` ``[B, S_r]`` bfloat16, one pass over
+    ``gate_up`` ``[2 S_r, H]`` (gate rows, then up rows)."""
+    s_r = gate_up.shape[0] // 2
+    situ = (float(beta), float(linear_beta))
+    return _gemm(x, gate_up, s_r, jnp.bfloat16, config, situ, interpret, "shared_gate_up_situ")
+
+
+def down_proj(
+    hidden: jax.Array,
+    down: jax.Array,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+    *,
+    interpret: bool = False,
+    config: GemmConfig,
+) -> jax.Array:
+    """Kernel 2: ``hidden @ down.T`` ``[B, H]`` in ``out_dtype``, float32 accumulation, one pass over
+    ``down`` ``[H, S_r]``."""
+    return _gemm(hidden, down, down.shape[0], jnp.dtype(out_dtype), config, None, interpret,
+                 "shared_down")
+
+
+def shared_expert(
+    x: jax.Array,
+    gate_up: jax.Array,
+    down: jax.Array,
+    cfg: FrontConfig,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+    *,
+    interpret: bool = False,
+    config: SharedExpertConfig | None = None,
+) -> jax.Array:
+    """The shared expert on one rank's slice (SPEC section 6); a partial sum when ``cfg.tp > 1``.
+
+    Args:
+      x: ``[B, H]`` bfloat16 decode rows, ``1 <= B <= 256``.
+      gate_up: ``[2 S_r, H]`` bfloat16, this rank's gate rows then its up rows (``S_r = S / tp``).
+      down: ``[H, S_r]`` bfloat16, this rank's columns of the down projection.
+      cfg: the model's config (``situ_beta``, ``linear_beta``).
+      out_dtype: bfloat16 (the SPEC's output) or float32 (a partial sum to reduce before rounding).
+      interpret: run in Pallas' interpret mode (any machine).
+      config: the two kernels' schedules; None picks the device's tuning-table entry or the
+        heuristic.
+
+    Returns:
+      ``[B, H]`` ``out_dtype``: ``situ(bf16(gate), bf16(up)) @ down.T`` with float32 accumulation,
+      as ``reference.shared_expert``.
+
+    Raises:
+      ValueError: wrong shapes or dtypes, a config that does not divide H or S_r.
+      NotImplementedError: ``B > 256``, or H or S_r not a multiple of 16 (use ``backend='xla'``).
+
+    Example::
+
+      shared = shared_expert(x, params.gate_up, params.down, cfg)
+    """
+    _check(x, gate_up, down, cfg, out_dtype)
+    s_r, hidden = down.shape[1], x.shape[1]
+    config = config or pick_config(s_r, hidden, x.shape[0])
+    if not isinstance(config, SharedExpertConfig):
+        raise ValueError(f"config must be a SharedExpertConfig or None, got {type(config).__name__}")
+    h = gate_up_situ(
+        x, gate_up, cfg.situ_beta, cfg.linear_beta, interpret=interpret, config=config.gate_up
+    )
+    return down_proj(h, down, out_dtype, interpret=interpret, config=config.down)

@@ -1,0 +1,176 @@
+"""Pieces shared by the weight-streaming Pallas GEMMs (``front_gemm``, ``shared_expert``).
+
+Every decode GEMM of the front has the same schedule: a skinny ``x`` (``B <= 256`` rows) against a
+weight that is read once, so each program streams one slab of the weight, ``block_rows`` rows by a
+``K / split_k`` chunk of K, in ``block_k`` steps that Triton's software pipeliner keeps ``num_stages``
+deep, and, when K is split, the programs of one tile of rows hand their float32 partial tiles to the
+last of them to arrive, which sums them in a fixed order and runs the kernel's epilogue
+(``finish_split_k``). This module holds that handshake, the schedule's dataclass, the batch padding,
+the device lookup and the tuning-table reader; the kernels own their loops and epilogues.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Callable, Sequence
+from importlib import resources
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MAX_BATCH = 256
+"""Largest batch one call covers: the accumulator tile is ``block_rows x`` the padded batch."""
+MIN_DOT = 16
+"""Smallest M, N and K of a Triton tensor-core dot; batches are padded (masked) up to it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Block shapes and schedule of one weight-streaming GEMM.
+
+    Attributes:
+      block_rows: weight rows per program (the dot's M), a power of two >= 16.
+      block_k: K elements per pipelined step, a power of two >= 16.
+      split_k: programs sharing one tile of rows, each over ``K / split_k`` of K; ``K`` must be a
+        multiple of ``split_k * block_k``.
+      num_warps, num_stages: Triton's warps per program and software-pipeline depth.
+    """
+
+    block_rows: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        name = type(self).__name__
+        for field in ("block_rows", "block_k"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < MIN_DOT or value & (value - 1):
+                raise ValueError(f"{name}.{field} must be a power of two >= 16, got {value!r}")
+        for field in ("split_k", "num_warps", "num_stages"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
+
+    def check_divides(self, k: int, what: str) -> None:
+        """Raise ValueError unless ``split_k * block_k`` divides the GEMM's K."""
+        if k % (self.split_k * self.block_k):
+            raise ValueError(
+                f"config {self} needs {what} divisible by split_k * block_k = "
+                f"{self.split_k * self.block_k}, got {what}={k}"
+            )
+
+
+def padded_batch(batch: int) -> int:
+    """The batch tile: ``batch`` rounded up to a power of two, at least 16 (the tables' key)."""
+    return max(MIN_DOT, 1 << (batch - 1).bit_length())
+
+
+def device_kind() -> str:
+    """Kind of the device being compiled for: the abstract mesh's (ahead-of-time lowering), or the
+    default device's."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None:
+        return abstract.device_kind
+    return jax.devices()[0].device_kind
+
+
+def core_count(default: int = 132) -> int:
+    """Streaming multiprocessors of the target device (the abstract mesh's when lowering ahead of
+    time), ``default`` where unknown."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    cores = getattr(abstract, "num_cores", None) if abstract is not None else None
+    if not cores:
+        cores = getattr(jax.devices()[0], "core_count", None)
+    return cores or default
+
+
+@functools.cache
+def table_entries(file_name: str) -> dict[str, dict]:
+    """The ``entries`` of tuning table ``pallas/tuning/<file_name>`` (installed as package data)."""
+    text = resources.files("moe_front_jax.pallas").joinpath("tuning", file_name).read_text()
+    return json.loads(text)["entries"]
+
+
+def split_for_cores(tiles: int, steps: int, cores: int) -> int:
+    """The smallest split of ``steps`` K steps (a divisor, leaving at least two steps per program)
+    that gives every one of ``cores`` SMs a program over ``tiles`` tiles of rows; the finest such
+    split where none does."""
+    splits = [s for s in range(1, steps + 1) if steps % s == 0 and steps // s >= 2] or [1]
+    return next((s for s in splits if tiles * s >= cores), splits[-1])
+
+
+def masked_load(ref, mask, eviction_policy=None):
+    """``plgpu.load`` with zeros where ``mask`` is False; no predicate at all when ``mask`` is None
+    (plain 16-byte vectors)."""
+    other = None if mask is None else 0.0
+    return plgpu.load(ref, mask=mask, other=other, eviction_policy=eviction_policy)
+
+
+def split_k_workspace(config: GemmConfig, tiles: int, parts: int, batch_tile: int):
+    """Output shapes and the zeroed counters input of a split-K call: float32 partial tiles
+    ``[split_k, tiles, parts, block_rows, batch_tile]`` and one int32 counter per tile (the counters
+    are an input aliased to the last output). Empty when ``split_k == 1``."""
+    if config.split_k == 1:
+        return [], []
+    shapes = [
+        jax.ShapeDtypeStruct(
+            (config.split_k, tiles, parts, config.block_rows, batch_tile), jnp.float32
+        ),
+        jax.ShapeDtypeStruct((tiles,), jnp.int32),
+    ]
+    return shapes, [jnp.zeros((tiles,), jnp.int32)]
+
+
+def finish_split_k(
+    accs: Sequence[jax.Array],
+    partials_ref,
+    counters_ref,
+    *,
+    split_k: int,
+    part,
+    tile,
+    mask,
+    interpret: bool,
+    epilogue: Callable[..., None],
+) -> None:
+    """Hand this program's float32 accumulators to the tile's last program, which runs ``epilogue``.
+
+    Each program writes its partial tiles (``accs[j]`` to ``partials_ref[part, tile, j]``), then takes
+    a ticket from the tile's counter (an acquire-release atomic after a CTA barrier); the program that
+    draws ticket ``split_k - 1`` sums the ``split_k`` partials of each accumulator in the order
+    ``0 .. split_k - 1`` (so results do not depend on arrival order) and calls ``epilogue(*totals)``.
+    ``split_k == 1`` calls ``epilogue(*accs)`` at once. ``mask`` (the accumulators' shape, or None)
+    keeps padded batch columns out of memory.
+    """
+    if split_k == 1:
+        epilogue(*accs)
+        return
+    for j, acc in enumerate(accs):
+        plgpu.store(partials_ref.at[part, tile, jnp.int32(j)], acc, mask=mask)
+    if not interpret:  # interpret mode runs programs one at a time (and has no barrier rule)
+        # Every thread's partial stores happen before the ticket's release (a CTA barrier, then one
+        # thread's acquire-release atomic: cumulativity carries the other threads' stores).
+        plgpu.debug_barrier()
+    ticket = plgpu.atomic_add(counters_ref, tile, jnp.int32(1))
+
+    @pl.when(ticket == split_k - 1)
+    def _():
+        totals = []
+        for j, acc in enumerate(accs):
+            total = jnp.zeros(acc.shape, jnp.float32)
+            for other in range(split_k):
+                # The ticket's acquire (gpu scope) makes the other programs' partials visible here;
+                # no line of them can sit in this SM's L1, which only this program reads them into.
+                total += plgpu.load(
+                    partials_ref.at[jnp.int32(other), tile, jnp.int32(j)],
+                    mask=mask,
+                    other=None if mask is None else 0.0,
+                )
+            totals.append(total)
+        epilogue(*totals)

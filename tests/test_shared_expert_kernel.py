@@ -1,0 +1,245 @@
+"""The Pallas shared expert (gate/up with situ in its epilogue, then down): interpret mode against the
+reference and the float64 oracle, lowering for an H200 from the CPU host at the tp1 and tp8 shapes,
+the schedules, and on a GPU against float64."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import moe_front_jax as mf
+from moe_front_jax import backends, reference
+from moe_front_jax.params import rank_slices
+from moe_front_jax.pallas import shared_expert as se
+from moe_front_jax.pallas.streaming import GemmConfig as G
+from h200 import H200, lower_for_h200
+import oracle
+
+K3 = mf.KIMI_K3
+SMALL_HIDDEN = 256
+"""Interpret mode keeps K3's shared rows per rank and shrinks the hidden size."""
+
+
+def exact_operands(batch, s_r, hidden, seed):
+    """Small-integer x and gate_up rows scaled by powers of two from 2**-9 to 2**-2: every float32
+    partial sum is exact, so gate and up (and their bfloat16 roundings) do not depend on the order of
+    summation, while gate and up span the range where tanh and the sigmoid bend."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-3, 4, (batch, hidden)).astype(np.float32)
+    w = rng.integers(-3, 4, (2 * s_r, hidden)).astype(np.float32)
+    w *= np.exp2(rng.integers(-9, -1, (2 * s_r, 1)))
+    return jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def gate_up_interpret(x, gate_up, *, config):
+    return se.gate_up_situ(x, gate_up, 4.0, 25.0, interpret=True, config=config)
+
+
+# (batch, S_r, config): split-K and single-pass, B below / at / above 16, S_r a multiple of the tile
+# (K3 at tp8: 768) and not (an S_r of 80 against 32-row tiles: the last tile runs past both blocks).
+GATE_UP_CASES = [
+    (1, 768, G(32, 64, 2, 4, 3)),
+    (16, 768, G(64, 128, 1, 4, 2)),
+    (37, 80, G(32, 64, 4, 4, 2)),
+    (3, 80, G(16, 32, 1, 4, 2)),
+]
+
+
+@pytest.mark.parametrize("batch, s_r, config", GATE_UP_CASES)
+def test_interpret_gate_up_situ_matches_reference_exactly(batch, s_r, config):
+    x, w = exact_operands(batch, s_r, SMALL_HIDDEN, seed=batch)
+    hidden = gate_up_interpret(x, w, config=config)
+    assert hidden.dtype == jnp.bfloat16 and hidden.shape == (batch, s_r)
+    h = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T  # exact: gate, up as the kernel sees
+    gate, up = h[:, :s_r].astype(ml_dtypes.bfloat16), h[:, s_r:].astype(ml_dtypes.bfloat16)
+    # The kernel's epilogue is reference.situ's float32 arithmetic on the same bfloat16 gate and up.
+    want = reference.situ(jnp.asarray(gate), jnp.asarray(up), 4.0, 25.0)
+    np.testing.assert_array_equal(np.asarray(hidden).view(np.uint16), np.asarray(want).view(np.uint16))
+    # And within one bfloat16 ulp of the float64 oracle of situ (float32 vs float64 arithmetic).
+    assert oracle.bf16_ulp_distance(hidden, oracle.situ(gate, up)).max() <= 1
+    assert np.abs(np.asarray(hidden, np.float32)).max() > 1  # not a vacuous all-small output
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("batch, rows, depth, config", [
+    (5, 256, 768, G(32, 64, 3, 4, 2)),
+    (20, 80, 96, G(32, 32, 1, 4, 2)),
+])
+def test_interpret_down_matches_float64_exactly(out_dtype, batch, rows, depth, config):
+    """Small-integer hidden and down (rows scaled by powers of two): the float32 product is exact."""
+    rng = np.random.default_rng(batch)
+    h = jnp.asarray(rng.integers(-8, 9, (batch, depth)), jnp.bfloat16)
+    d = rng.integers(-3, 4, (rows, depth)) * np.exp2(rng.integers(-6, 7, (rows, 1)))
+    d = jnp.asarray(d, jnp.bfloat16)
+    call = jax.jit(lambda h, d: se.down_proj(h, d, out_dtype, interpret=True, config=config))
+    got = call(h, d)
+    want = (np.asarray(h, np.float64) @ np.asarray(d, np.float64).T).astype(np.float32)
+    assert got.dtype == out_dtype and got.shape == (batch, rows)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(out_dtype).astype(np.float32))
+
+
+def assert_close_to_float64(got, want, tol):
+    """``|got - want| <= tol * max(|want|, the row's RMS)``: relative, with near-zero entries measured
+    against their row's scale (float32 accumulation cannot give them a relative bound)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    rms = np.sqrt((want**2).mean(axis=1, keepdims=True))
+    err = np.abs(got - want) / np.maximum(np.abs(want), rms)
+    assert err.max() <= tol, err.max()
+
+
+@pytest.mark.parametrize("tp, batch, config, out_dtype", [
+    (8, 37, se.SharedExpertConfig(G(64, 64, 2, 4, 2), G(64, 128, 2, 4, 2)), jnp.float32),
+    (1, 3, se.SharedExpertConfig(G(128, 128, 1, 4, 2), G(64, 256, 2, 4, 2)), jnp.bfloat16),
+])
+def test_interpret_shared_expert_matches_reference_and_float64(tp, batch, config, out_dtype):
+    """Both kernels split K at tp8 (the float32 partial moe_front reduces); bfloat16 out at tp1."""
+    cfg = dataclasses.replace(K3, hidden=SMALL_HIDDEN, tp=tp)
+    weights = mf.init_weights(jax.random.key(tp), cfg)
+    _, gate_up, down = rank_slices(weights, cfg, tp - 1, cfg.experts_per_rank)
+    x = jax.random.normal(jax.random.key(batch), (batch, SMALL_HIDDEN)).astype(jnp.bfloat16)
+    got = jax.jit(lambda x, g, d: se.shared_expert(
+        x, g, d, cfg, out_dtype, interpret=True, config=config))(x, gate_up, down)
+    assert got.dtype == out_dtype and got.shape == (batch, SMALL_HIDDEN)
+    want = reference.shared_expert(x, gate_up, down, cfg, out_dtype)
+    # Summation order moves gate/up by float32 ulps, which can flip a bfloat16 rounding of gate, up
+    # or hidden: a few bfloat16 ulps at most, relative to the row.
+    assert_close_to_float64(got, want, 2.0**-6)
+    assert_close_to_float64(got, oracle.shared_expert(x, gate_up, down), 1e-2)
+
+
+def route_any(logits, bias, cfg, *, interpret):
+    """The routing reference in the kernels' signature, until the routing kernel is registered."""
+    del interpret  # the reference has one mode
+    return reference.route(logits, bias, cfg)
+
+
+def test_moe_front_runs_the_kernel_under_interpret(monkeypatch):
+    """moe_front with shared-expert weights calls the Pallas shared expert (interpret), once."""
+    calls = []
+    real = se.shared_expert
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(se, "shared_expert", spy)
+    monkeypatch.setitem(backends.KERNELS, "route", "test_shared_expert_kernel:route_any")
+    backends._load.cache_clear()
+    cfg = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=128, top_k=16, latent=256, shared=96)
+    params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg), cfg)
+    x = jax.random.normal(jax.random.key(1), (5, SMALL_HIDDEN)).astype(jnp.bfloat16)
+    try:
+        got = jax.jit(lambda x, p: mf.moe_front(x, p, backend="interpret"))(x, params)
+    finally:
+        backends._load.cache_clear()
+    assert calls == [{"interpret": True}]
+    want = mf.moe_front(x, params, backend="xla")
+    assert got.shared.dtype == jnp.bfloat16 and got.shared.shape == (5, SMALL_HIDDEN)
+    assert_close_to_float64(got.shared, want.shared, 2.0**-6)
+
+
+def test_registered_for_pallas_and_interpret():
+    assert "shared_expert" not in backends.PENDING
+    kernel = backends.stage("shared_expert", "interpret")
+    assert kernel.func is se.shared_expert and kernel.keywords == {"interpret": True}
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_lowers_for_h200_as_two_kernels(tp):
+    """Two Triton kernels per call (plus zeroed counters where K is split); no XLA dot, cast or
+    slice: gate and up never leave the first kernel."""
+    cfg = K3.with_tp(tp)
+    s_r = cfg.shared_per_rank
+    gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
+    down = jnp.zeros((K3.hidden, s_r), jnp.bfloat16)
+    for batch in (1, 64, 256):
+        x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
+        for out_dtype in (jnp.float32, jnp.bfloat16):
+            fn = functools.partial(se.shared_expert, cfg=cfg, out_dtype=out_dtype)
+            text = lower_for_h200(fn, x, gate_up, down)
+            assert text.count("__gpu$xla.gpu.triton") == 2, (tp, batch)
+            for op in ("stablehlo.convert", "stablehlo.slice", "stablehlo.dot_general"):
+                assert op not in text, (tp, batch, op)
+
+
+@pytest.mark.parametrize("hidden", [7168, 256])
+@pytest.mark.parametrize("batch", [1, 37, 256])
+def test_heuristic_config_divides_the_problem(hidden, batch):
+    for tp in (1, 8, 16):
+        s_r = K3.with_tp(tp).shared_per_rank
+        c = se.heuristic_config(s_r, hidden, batch, cores=132)
+        c.gate_up.check_divides(hidden, "H")
+        c.down.check_divides(s_r, "S_r")
+        bp = 1 << max(4, (batch - 1).bit_length())
+        assert 2 * c.gate_up.num_stages * c.gate_up.block_k * (2 * c.gate_up.block_rows + bp) <= se.SMEM_BUDGET
+        if hidden == 7168:  # room to split: every SM gets a gate/up program
+            assert -(-s_r // c.gate_up.block_rows) * c.gate_up.split_k >= 132
+
+
+def test_pick_config_uses_the_table_on_h200():
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+    table = se.load_table(H200.device_kind)
+    if not table:
+        pytest.skip("no H200 table")
+    for tp in (1, 8):
+        s_r = K3.with_tp(tp).shared_per_rank
+        for batch in (1, 8, 64):
+            key = se.table_key(s_r, K3.hidden, batch)
+            assert key in table, key
+            with jax.sharding.use_abstract_mesh(mesh):
+                assert se.pick_config(s_r, K3.hidden, batch) == table[key]
+            table[key].gate_up.check_divides(K3.hidden, "H")
+            table[key].down.check_divides(s_r, "S_r")
+
+
+def test_errors():
+    cfg = dataclasses.replace(K3, hidden=64, shared=64)
+    x = jnp.zeros((2, 64), jnp.bfloat16)
+    gu, d = jnp.zeros((128, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="x must be a 2-D bfloat16 array"):
+        se.shared_expert(x.astype(jnp.float32), gu, d, cfg)
+    with pytest.raises(ValueError, match=r"gate_up must be \[2 S_r, H=64\]"):
+        se.shared_expert(x, gu[:, :32], d, cfg)
+    with pytest.raises(ValueError, match=r"down must be \[H, S_r\] = \(64, 64\)"):
+        se.shared_expert(x, gu, d[:, :32], cfg)
+    with pytest.raises(ValueError, match="out_dtype must be bfloat16 or float32"):
+        se.shared_expert(x, gu, d, cfg, jnp.float16)
+    with pytest.raises(ValueError, match="x is an empty batch"):
+        se.shared_expert(x[:0], gu, d, cfg)
+    with pytest.raises(ValueError, match="needs K divisible by split_k"):
+        se.shared_expert(x, gu, d, cfg, config=se.SharedExpertConfig(G(32, 64, 2, 4, 2), G(32, 16, 1, 4, 2)))
+    with pytest.raises(ValueError, match="must be a SharedExpertConfig"):
+        se.shared_expert(x, gu, d, cfg, config=G(32, 16, 1, 4, 2))
+    with pytest.raises(NotImplementedError, match="B <= 256 .* backend='xla'"):
+        se.shared_expert(jnp.zeros((257, 64), jnp.bfloat16), gu, d, cfg)
+    with pytest.raises(NotImplementedError, match="multiples of 16"):
+        se.shared_expert(x[:, :40], gu[:, :40], d[:40], cfg)
+
+
+# --- on the GPU --------------------------------------------------------------------------------------
+
+
+@functools.cache
+def k3_weights():
+    return mf.init_weights(jax.random.key(0), K3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+def test_gpu_matches_float64(tp):
+    """At K3's shapes, the kernels' output (float32 partial and bfloat16) within 1e-2 of the float64
+    oracle (relative to each value, measured at least at its row's RMS), on the last rank's slice."""
+    cfg = K3.with_tp(tp)
+    _, gate_up, down = rank_slices(k3_weights(), cfg, tp - 1, cfg.experts_per_rank)
+    for batch in (1, 7, 64):
+        x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
+        want = oracle.shared_expert(x, gate_up, down)
+        for out_dtype in (jnp.float32, jnp.bfloat16):
+            got = jax.jit(lambda x, g, d: se.shared_expert(x, g, d, cfg, out_dtype))(x, gate_up, down)
+            assert got.dtype == out_dtype and got.shape == (batch, K3.hidden)
+            assert_close_to_float64(got, want, 1e-2)
