@@ -116,8 +116,10 @@ def main(argv=None) -> int:
     print(f"{'Scaled-down' if args.small else 'Kimi-K3'} front: hidden {cfg.hidden}, {cfg.experts} experts, top-{cfg.top_k}, "
           f"latent {cfg.latent}, shared {cfg.shared}; seeded random weights (nnx.Rngs(0))")
     model = DecodeModel(cfg, args.backend, nnx.Rngs(0))
-    bias = model.front.gate.e_score_correction_bias[...]
-    step = nnx.jit(lambda model, tokens: model(tokens))
+    bias = model.front.bias[...]
+    # graph_updates=False: the step updates no Variable, so none comes back. Graph-mode nnx.jit would
+    # return every Param of the model and XLA copy each one into a fresh buffer per step.
+    step = nnx.jit(lambda model, tokens: model(tokens), graph_updates=False)
 
     failed = False
     for batch in args.batch:

@@ -110,7 +110,8 @@ class CheckpointReader:
 
     Construction finds every key behind ``prefix`` and checks its shape and dtype from the file headers
     (no tensor data is read). ``read`` then reads one block of a weight, so that a device can load its
-    own shard without any other device, or the host, holding the whole weight.
+    own shard without any other device, or the host, holding the whole weight: ``params`` packs the
+    front's ``FrontParams`` that way (``load_params``), ``weights`` reads every weight whole.
 
     Args:
       paths_or_dir: a ``.safetensors`` file, a list of them, or a directory (see ``checkpoint_files``).
@@ -162,31 +163,52 @@ class CheckpointReader:
                 return f.get_tensor(key)
             return f.get_slice(key)[tuple(slice(a, b) for a, b in bounds)]
 
-    def read_array(self, name: str, shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> jax.Array:
-        """Weight ``name`` as a global array of ``sharding``, each device reading only its block.
-
-        ``shape`` is the checkpoint's, or for ``shared_experts.gate_up_proj.weight`` also
-        ``[2, S, H]`` (the gate rows, then the up rows: the layout ``mf.nn.MoEFront`` holds).
-        """
-        stored = self.shapes[name][0]
-        if tuple(shape) == stored:
-            return jax.make_array_from_callback(
-                stored, sharding, lambda index: self.read(name, _bounds(index, stored))
-            )
-        s, h = self.cfg.shared, self.cfg.hidden
-        if name != P.GATE_UP or tuple(shape) != (2, s, h):
-            raise ValueError(f"weight {name!r} is {stored} in the checkpoint; cannot read it as {shape}")
-
-        def gate_up_block(index):
-            (h0, h1), (s0, s1), (c0, c1) = _bounds(index, shape)
-            halves = [self.read(name, [(half * s + s0, half * s + s1), (c0, c1)]) for half in range(h0, h1)]
-            return np.stack(halves)
-
-        return jax.make_array_from_callback(tuple(shape), sharding, gate_up_block)
-
     def weights(self) -> dict[str, jax.Array]:
         """Every weight found, whole, on the default device (the SPEC's weights dict)."""
         return {name: jnp.asarray(self.read(name)) for name in self.names}
+
+    def params(self, mesh: Mesh | None = None, axis: str = "tp") -> P.FrontParams:
+        """``load_params``' ``FrontParams``: on one device, or each device of ``mesh`` reading its shard."""
+        if mesh is None:
+            return P.pack_params(self.weights(), self.cfg)
+        tp = parallel.mesh_tp(self.cfg, mesh, axis)
+        cfg = self.cfg.with_tp(tp)
+        valid, shard, s_r, h = cfg.experts_per_rank, cfg.latent_per_rank, cfg.shared_per_rank, cfg.hidden
+        split = P.padded_split(valid)
+        specs = parallel.param_specs(axis)
+
+        def placed(name, shape, block):
+            sharding = NamedSharding(mesh, specs[name])
+            return jax.make_array_from_callback(shape, sharding, lambda index: block(_bounds(index, shape)))
+
+        def packed_block(bounds):
+            (r0, r1), cols = bounds
+            ranks = range(r0 // (split + shard), r1 // (split + shard))
+            blocks = []
+            for r in ranks:
+                blocks += [
+                    self.read(P.GATE, [(r * valid, (r + 1) * valid), cols]),
+                    np.zeros((split - valid, cols[1] - cols[0]), ml_dtypes.bfloat16),
+                    self.read(P.ROUTED_DOWN, [(r * shard, (r + 1) * shard), cols]),
+                ]
+            return np.concatenate(blocks)
+
+        def gate_up_block(bounds):
+            (r0, r1), cols = bounds
+            blocks = []
+            for r in range(r0 // (2 * s_r), r1 // (2 * s_r)):
+                for half in (0, 1):
+                    rows = (half * cfg.shared + r * s_r, half * cfg.shared + (r + 1) * s_r)
+                    blocks.append(self.read(P.GATE_UP, [rows, cols]))
+            return np.concatenate(blocks)
+
+        packed = placed("packed", (tp * (split + shard), h), packed_block)
+        bias = placed("bias", (cfg.experts,), lambda bounds: self.read(P.BIAS, bounds))
+        gate_up = down = None
+        if self.has_shared:
+            gate_up = placed("gate_up", (2 * cfg.shared, h), gate_up_block)
+            down = placed("down", (h, cfg.shared), lambda bounds: self.read(P.DOWN, bounds))
+        return P.FrontParams(packed, bias, gate_up, down, cfg, split, mesh=mesh, axis=axis)
 
 
 def load_weights(
@@ -234,44 +256,4 @@ def load_params(
     Raises:
       ValueError: as ``load_weights``, and as ``shard_params`` for a mesh that does not fit ``cfg``.
     """
-    if mesh is None:
-        return P.pack_params(load_weights(paths_or_dir, cfg, prefix), cfg)
-    tp = parallel.mesh_tp(cfg, mesh, axis)
-    cfg = cfg.with_tp(tp)
-    reader = CheckpointReader(paths_or_dir, cfg, prefix)
-    valid, shard, s_r, h = cfg.experts_per_rank, cfg.latent_per_rank, cfg.shared_per_rank, cfg.hidden
-    split = P.padded_split(valid)
-    specs = parallel.param_specs(axis)
-
-    def placed(name, shape, block):
-        sharding = NamedSharding(mesh, specs[name])
-        return jax.make_array_from_callback(shape, sharding, lambda index: block(_bounds(index, shape)))
-
-    def packed_block(bounds):
-        (r0, r1), cols = bounds
-        ranks = range(r0 // (split + shard), r1 // (split + shard))
-        blocks = []
-        for r in ranks:
-            blocks += [
-                reader.read(P.GATE, [(r * valid, (r + 1) * valid), cols]),
-                np.zeros((split - valid, cols[1] - cols[0]), ml_dtypes.bfloat16),
-                reader.read(P.ROUTED_DOWN, [(r * shard, (r + 1) * shard), cols]),
-            ]
-        return np.concatenate(blocks)
-
-    def gate_up_block(bounds):
-        (r0, r1), cols = bounds
-        blocks = []
-        for r in range(r0 // (2 * s_r), r1 // (2 * s_r)):
-            for half in (0, 1):
-                rows = (half * cfg.shared + r * s_r, half * cfg.shared + (r + 1) * s_r)
-                blocks.append(reader.read(P.GATE_UP, [rows, cols]))
-        return np.concatenate(blocks)
-
-    packed = placed("packed", (tp * (split + shard), h), packed_block)
-    bias = placed("bias", (cfg.experts,), lambda bounds: reader.read(P.BIAS, bounds))
-    gate_up = down = None
-    if reader.has_shared:
-        gate_up = placed("gate_up", (2 * cfg.shared, h), gate_up_block)
-        down = placed("down", (h, cfg.shared), lambda bounds: reader.read(P.DOWN, bounds))
-    return P.FrontParams(packed, bias, gate_up, down, cfg, split, mesh=mesh, axis=axis)
+    return CheckpointReader(paths_or_dir, cfg, prefix).params(mesh=mesh, axis=axis)

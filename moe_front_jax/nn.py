@@ -1,13 +1,30 @@
 """The MoE front as a Flax NNX module: ``mf.nn.MoEFront``.
 
-The module holds the weights of SPEC.md section 2 as ``nnx.Param`` under the model's own module names
-(``gate.weight``, ``gate.e_score_correction_bias``, ``routed_down_weight``,
-``shared_experts.gate_up_proj.weight``, ``shared_experts.down_proj.weight``), so ``nnx.state(front)``
-paths read like the checkpoint's keys. Each Param carries its tensor-parallel annotation
-(``out_sharding``, a tuple naming the mesh axis on the dimension the weight is split along), which
-``nnx.get_partition_spec`` turns into a ``PartitionSpec``. At call time the module packs the weights into
-``FrontParams`` (inside ``jit`` that is one concatenation) and calls ``mf.moe_front``: on one device, or
-with a ``mesh`` on every device under ``jax.shard_map``, each packing only its own rank's shard.
+The module holds its weights as ``nnx.Param`` in the layout ``mf.moe_front`` reads: the arrays of
+``FrontParams``, as ``mf.pack_params`` builds them on one device and ``mf.shard_params`` (or
+``mf.load_params``) on a mesh. A call wraps the Params into ``FrontParams`` and calls ``mf.moe_front``
+(under ``jax.shard_map`` with a mesh): no weight is packed, padded or copied per decode step, and the
+packed Param is what the front GEMM reads. With ``tp`` ranks along the mesh axis (1 without a mesh)
+and ``split`` the ``E/tp`` router rows rounded up to 16 (``FrontParams.split``), the Params are:
+
+- ``packed`` ``[tp * (split + L/tp), H]`` bfloat16, annotated ``(axis, None)``: checkpoint keys
+  ``gate.weight`` and ``routed_down_weight``. Rank-major: rank ``r``'s block of ``split + L/tp`` rows
+  is its ``E/tp`` router rows, zero rows up to ``split``, then its ``L/tp`` latent rows (SPEC.md
+  section 3).
+- ``bias`` ``[E]`` float32, annotated ``()`` (whole on every rank, which routes all experts):
+  ``gate.e_score_correction_bias``.
+- ``gate_up`` ``[2S, H]`` bfloat16, annotated ``(axis, None)``: ``shared_experts.gate_up_proj.weight``.
+  Rank-major: rank ``r``'s block of ``2S/tp`` rows is its ``S/tp`` gate rows, then its ``S/tp`` up rows
+  (at ``tp=1`` the checkpoint's own layout).
+- ``down`` ``[H, S]`` bfloat16, annotated ``(None, axis)``: ``shared_experts.down_proj.weight`` as is.
+
+``gate_up`` and ``down`` are None without a shared expert. An annotation is the ``out_sharding``
+metadata ``nnx.get_partition_spec`` turns into a ``PartitionSpec`` (``parallel.param_specs``'). The
+checkpoint's weights come back, unpacked, from ``front.weights()``.
+
+Under ``nnx.jit`` pass ``graph_updates=False`` (a call updates no Variable) or donate the module:
+graph-mode ``nnx.jit`` returns every Variable of its arguments, and XLA copies each Param that is not
+donated into a fresh buffer at every call.
 
 Example::
 
@@ -16,7 +33,7 @@ Example::
   import moe_front_jax as mf
 
   front = mf.nn.MoEFront(mf.KIMI_K3, rngs=nnx.Rngs(0))
-  out = nnx.jit(lambda m, x: m(x))(front, x)   # x: [B, 7168] bfloat16 -> FrontOutput
+  out = nnx.jit(lambda m, x: m(x), graph_updates=False)(front, x)   # x: [B, 7168] bf16 -> FrontOutput
 
   mesh = jax.make_mesh((8,), ("tp",))
   front = mf.nn.MoEFront.from_checkpoint("/ckpt", mf.KIMI_K3, "model.layers.3.mlp.", mesh=mesh)
@@ -24,89 +41,43 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from moe_front_jax import checkpoint, parallel
 from moe_front_jax import params as P
-from moe_front_jax.api import FrontOutput, check_rows, moe_front
+from moe_front_jax.api import FrontOutput, moe_front
 from moe_front_jax.backends import check_backend
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import FrontParams
 
 TP = "tp"
-"""Name of the tensor-parallel mesh axis in the Params' sharding annotations."""
+"""Default name of the tensor-parallel mesh axis in the Params' sharding annotations."""
 
-
-def param_shardings(axis: str = TP) -> dict[str, tuple[str | None, ...]]:
-    """The tensor-parallel annotation of each module weight, in the module's layout.
-
-    Router rows and latent rows split along experts and latent rows; the correction bias is whole on
-    every rank (routing ranks all experts); the shared expert splits its intermediate ``S``. The fused
-    gate/up weight is held as ``[2, S, H]`` (gate, then up): a rank's share is its block of the gate
-    rows AND its block of the up rows, which only a split of the ``S`` axis of that view expresses.
-    """
-    return {
-        P.GATE: (axis, None),
-        P.BIAS: (None,),
-        P.ROUTED_DOWN: (axis, None),
-        P.GATE_UP: (None, axis, None),
-        P.DOWN: (None, axis),
-    }
-
-
-def module_shape(name: str, cfg: FrontConfig) -> tuple[int, ...]:
-    """Shape of weight ``name`` as the module holds it (``gate_up`` as ``[2, S, H]``)."""
-    if name == P.GATE_UP:
-        return (2, cfg.shared, cfg.hidden)
-    return P.weight_shapes(cfg)[name][0]
-
-
-class _Gate(nnx.Module):
-    """The router: ``weight`` ``[E, H]`` bf16 and ``e_score_correction_bias`` ``[E]`` f32."""
-
-    def __init__(self, weight: nnx.Param, e_score_correction_bias: nnx.Param):
-        self.weight = weight
-        self.e_score_correction_bias = e_score_correction_bias
-
-
-class _Projection(nnx.Module):
-    """One projection's ``weight``."""
-
-    def __init__(self, weight: nnx.Param):
-        self.weight = weight
-
-
-class _SharedExperts(nnx.Module):
-    """The shared expert: ``gate_up_proj.weight`` ``[2, S, H]`` and ``down_proj.weight`` ``[H, S]``."""
-
-    def __init__(self, gate_up: nnx.Param, down: nnx.Param):
-        self.gate_up_proj = _Projection(gate_up)
-        self.down_proj = _Projection(down)
+ARRAYS = ("packed", "bias", "gate_up", "down")
+"""The module's Params: the array fields of ``FrontParams``, under their names."""
 
 
 class MoEFront(nnx.Module):
     """The decode-time MoE front of one layer as an NNX module.
 
-    On one device ``front(x)`` is ``mf.moe_front(x, mf.pack_params(front.weights(), cfg))``: the front
-    GEMM, exact top-k routing, the latent and the shared expert of ``x`` ``[B, H]`` bfloat16. With a
-    ``mesh``, every Param is a global array whose shards sit where its annotation says (rank ``r`` of
-    ``axis`` holds its router rows, latent rows and shared-expert slice), and a call runs
-    ``mf.moe_front(x, rank_params, axis_name=axis)`` on every device under ``jax.shard_map``; the mesh's
-    other axes split the batch.
+    ``front(x)`` is ``mf.moe_front(x, front.front_params())``: the front GEMM, exact top-k routing, the
+    latent and the shared expert of ``x`` ``[B, H]`` bfloat16, equal on one device to
+    ``mf.moe_front(x, mf.pack_params(weights, cfg))``. With a ``mesh`` every Param is a global array
+    whose rank blocks sit on the devices of ``axis`` (as ``mf.shard_params`` places them), and a call
+    runs every rank's front under ``jax.shard_map``; the mesh's other axes split the batch.
 
     Args:
       cfg: the model config; ``cfg.tp`` must be 1 without a mesh, and 1 or the size of ``axis`` with one.
       rngs: draw fresh weights with ``mf.init_weights`` from ``rngs.params()``; give this or
         ``weights``.
       weights: the weights under the keys of SPEC section 2 (``mf.init_weights``' or
-        ``mf.load_weights``' output), validated against ``cfg``. ``MoEFront.from_checkpoint`` reads a
-        checkpoint straight into the module (and into the shards).
+        ``mf.load_weights``' output), validated against ``cfg``, packed once here.
+        ``MoEFront.from_checkpoint`` reads a checkpoint straight into the module (and into the shards).
       shared: with ``rngs``, also draw the shared expert's weights (needs ``cfg.shared > 0``). With
         ``weights`` the shared expert is there exactly when its keys are.
       backend: the backend ``moe_front`` runs (``"auto"``, ``"xla"``, ``"pallas"``, ``"interpret"``).
@@ -117,13 +88,9 @@ class MoEFront(nnx.Module):
         over ``axis``, what a MoE tail consumes).
 
     Attributes:
-      gate.weight: ``nnx.Param`` ``[E, H]`` bfloat16, annotated ``(axis, None)``.
-      gate.e_score_correction_bias: ``nnx.Param`` ``[E]`` float32, annotated ``(None,)``.
-      routed_down_weight: ``nnx.Param`` ``[L, H]`` bfloat16, annotated ``(axis, None)``.
-      shared_experts.gate_up_proj.weight: ``nnx.Param`` ``[2, S, H]`` bfloat16 (the checkpoint's
-        ``[2S, H]``, gate rows then up rows), annotated ``(None, axis, None)``.
-      shared_experts.down_proj.weight: ``nnx.Param`` ``[H, S]`` bfloat16, annotated ``(None, axis)``.
-      shared_experts: None when the front has no shared expert.
+      packed, bias, gate_up, down: the ``nnx.Param`` of the module docstring (``gate_up`` and ``down``
+        None without a shared expert).
+      cfg: ``cfg`` with ``tp`` the number of ranks; split: the first latent row of a rank's block.
 
     Raises:
       ValueError: a bad config, backend, mesh, axis or shared_reduce, a bad weight (naming the key), or
@@ -152,10 +119,8 @@ class MoEFront(nnx.Module):
                     f"cfg.tp={cfg.tp} needs mesh=: a jax.sharding.Mesh with a {axis!r} axis of {cfg.tp} "
                     "devices (without a mesh the module holds every weight on one device)"
                 )
-            tp = 1
         else:
-            tp = parallel.mesh_tp(cfg, mesh, axis)
-            parallel.check_scatter(shared_reduce, cfg, tp)
+            parallel.check_scatter(shared_reduce, cfg, parallel.mesh_tp(cfg, mesh, axis))
         if (rngs is None) == (weights is None):
             raise ValueError("give exactly one of rngs= (fresh weights) and weights= (given weights)")
         if weights is None:
@@ -164,23 +129,22 @@ class MoEFront(nnx.Module):
             weights = P.init_weights(rngs.params(), cfg, shared=shared)
         elif not shared:
             raise ValueError("shared=False applies to rngs=; with weights=, leave the shared keys out")
-        self.cfg = cfg.with_tp(tp)
-        has_shared = P.check_weights(weights, self.cfg)
+        if mesh is None:
+            params = P.pack_params(weights, cfg)
+        else:
+            params = parallel.shard_params(weights, cfg, mesh, axis)
+        self.cfg = params.cfg
+        self.split = params.split
         self.backend = backend
         self.mesh = mesh
         self.axis = axis
         self.shared_reduce = shared_reduce
-        annotations = param_shardings(axis)
-
-        def param(name):
-            value = jnp.asarray(weights[name]).reshape(module_shape(name, cfg))
-            if mesh is not None:
-                value = jax.device_put(value, NamedSharding(mesh, PartitionSpec(*annotations[name])))
-            return nnx.Param(value, out_sharding=annotations[name], eager_sharding=False)
-
-        self.gate = _Gate(param(P.GATE), param(P.BIAS))
-        self.routed_down_weight = param(P.ROUTED_DOWN)
-        self.shared_experts = _SharedExperts(param(P.GATE_UP), param(P.DOWN)) if has_shared else None
+        specs = parallel.param_specs(axis)
+        for name in ARRAYS:
+            array = getattr(params, name)
+            setattr(self, name, None if array is None else nnx.Param(
+                jnp.asarray(array), out_sharding=tuple(specs[name]), eager_sharding=False
+            ))
 
     @classmethod
     def from_checkpoint(
@@ -196,9 +160,10 @@ class MoEFront(nnx.Module):
     ) -> MoEFront:
         """A module whose Params are read from a safetensors checkpoint (``mf.load_weights``' sources).
 
-        With a ``mesh`` each device reads only its own shard of each weight from the files; no device
-        ever holds a whole weight. Every key is checked (shape, dtype, presence) from the file headers
-        before any data is read; the shared expert is there exactly when the checkpoint has its keys.
+        The Params are ``mf.load_params``': with a ``mesh`` each device reads only its own rows of each
+        weight from the files and packs them; no device ever holds a whole weight. Every key is checked
+        (shape, dtype, presence) from the file headers, and the arguments, before any data is read; the
+        shared expert is there exactly when the checkpoint has its keys.
 
         Raises:
           ValueError: as ``MoEFront`` and ``mf.load_weights``, naming the checkpoint key at fault.
@@ -209,35 +174,28 @@ class MoEFront(nnx.Module):
             shared_reduce=shared_reduce,
         ))
         graphdef, state = nnx.split(abstract)
-        for path, variable in nnx.to_flat_state(state):
-            name = ".".join(map(str, path))
-            sharding = (
-                NamedSharding(mesh, PartitionSpec(*variable.get_metadata()["out_sharding"]))
-                if mesh is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            )
-            variable.set_value(reader.read_array(name, variable.shape, sharding))
+        params = reader.params(mesh=mesh, axis=axis)
+        for (name,), variable in nnx.to_flat_state(state):
+            variable.set_value(getattr(params, name))
         return nnx.merge(graphdef, state)
 
-    def weights(self) -> dict[str, jax.Array]:
-        """The module's weights under the keys and shapes of SPEC section 2 (``gate_up`` as ``[2S, H]``).
+    def front_params(self) -> FrontParams:
+        """The Params as ``FrontParams`` (the arrays themselves: nothing is copied).
 
-        With a mesh the arrays keep their shards, except ``gate_up``: a rank's gate and up rows are not
-        one block of ``[2S, H]``, so that one comes back replicated.
+        One device's params, or ``mf.shard_params``' on the mesh: ``mf.moe_front`` takes either.
         """
-        cfg = self.cfg
-        weights = {
-            P.GATE: self.gate.weight[...],
-            P.BIAS: self.gate.e_score_correction_bias[...],
-            P.ROUTED_DOWN: self.routed_down_weight[...],
-        }
-        if self.shared_experts is not None:
-            gate_up = self.shared_experts.gate_up_proj.weight[...]
-            replicated = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
-            weights[P.GATE_UP] = jnp.reshape(
-                gate_up, (2 * cfg.shared, cfg.hidden), out_sharding=replicated
-            )
-            weights[P.DOWN] = self.shared_experts.down_proj.weight[...]
-        return weights
+        held = {name: getattr(self, name) for name in ARRAYS}
+        arrays = {name: None if param is None else param[...] for name, param in held.items()}
+        sharded = {} if self.mesh is None else dict(mesh=self.mesh, axis=self.axis)
+        return FrontParams(**arrays, cfg=self.cfg, split=self.split, **sharded)
+
+    def weights(self) -> dict[str, jax.Array]:
+        """The module's weights under the keys and shapes of SPEC section 2 (``params.unpack_params``).
+
+        Unpacking copies every weight: for checkpoints and checks, not for a decode step. With a mesh
+        the arrays stay sharded over ``axis``.
+        """
+        return P.unpack_params(self.front_params())
 
     def __call__(self, x: jax.Array, *, plan: bool = False) -> FrontOutput:
         """The front of one decode step.
@@ -251,57 +209,6 @@ class MoEFront(nnx.Module):
           ``FrontOutput(ids [B, K] int32, weights [B, K] bf16, latent [B, L] bf16, logits [B, E] f32,
           shared [B, H] bf16 or None, plan or None, status int32)``.
         """
-        if self.mesh is None:
-            params = P.pack_params(self.weights(), self.cfg)
-            return moe_front(x, params, plan=plan, backend=self.backend, shared_reduce=self.shared_reduce)
-        return self._sharded_call(x, plan)
-
-    def _sharded_call(self, x: jax.Array, plan: bool) -> FrontOutput:
-        cfg, mesh, axis = self.cfg, self.mesh, self.axis
-        check_rows(x, cfg)
-        others = tuple(name for name in mesh.axis_names if name != axis)
-        groups = math.prod(mesh.shape[name] for name in others)
-        if x.shape[0] % groups:
-            raise ValueError(
-                f"x has B={x.shape[0]} rows, split data-parallel over mesh axes {others} of {groups} "
-                f"groups: B must be divisible by {groups}"
-            )
-        rows = PartitionSpec(others or None, None)
-        explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit]
-        if explicit:
-            # shard_map takes x typed over Explicit axes only as its in_spec says; over Auto axes jit
-            # reshards x itself (as mf.moe_front does on sharded params).
-            split_rows = tuple(name for name in others if name in explicit) or None
-            x = jax.reshard(x, NamedSharding(mesh, PartitionSpec(split_rows, None)))
-        has_shared = self.shared_experts is not None
-        names = [P.GATE, P.BIAS, P.ROUTED_DOWN] + list(P.SHARED_KEYS) * has_shared
-        arrays = [self.gate.weight, self.gate.e_score_correction_bias, self.routed_down_weight]
-        if has_shared:
-            arrays += [self.shared_experts.gate_up_proj.weight, self.shared_experts.down_proj.weight]
-        annotations = param_shardings(axis)
-        split = P.padded_split(cfg.experts_per_rank)
-        shared_spec = PartitionSpec(others or None, axis) if self.shared_reduce == "psum_scatter" else rows
-
-        def body(x, *local):
-            local = dict(zip(names, local))
-            packing = [local[P.GATE], local[P.ROUTED_DOWN]]
-            padding = split - cfg.experts_per_rank
-            if padding:
-                packing.insert(1, jnp.zeros((padding, cfg.hidden), jnp.bfloat16))
-            gate_up = local[P.GATE_UP].reshape(-1, cfg.hidden) if has_shared else None
-            params = FrontParams(
-                jnp.concatenate(packing, axis=0), local[P.BIAS], gate_up, local.get(P.DOWN), cfg, split
-            )
-            out = moe_front(x, params, plan=plan, backend=self.backend, axis_name=axis,
-                            shared_reduce=self.shared_reduce)
-            return tuple(out)
-
-        front = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(rows, *(PartitionSpec(*annotations[name]) for name in names)),
-            out_specs=(rows, rows, rows, rows, shared_spec, rows, PartitionSpec()),
-            # Pallas kernels in interpret mode do not carry the varying-axes types check_vma tracks.
-            check_vma=not parallel.runs_kernels(self.backend, plan, has_shared),
+        return moe_front(
+            x, self.front_params(), plan=plan, backend=self.backend, shared_reduce=self.shared_reduce
         )
-        return FrontOutput(*front(x, *(a[...] for a in arrays)))

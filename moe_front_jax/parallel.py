@@ -81,7 +81,7 @@ def mesh_tp(cfg: FrontConfig, mesh: Mesh | AbstractMesh, axis: str) -> int:
 
 
 def param_specs(axis: str) -> dict[str, P]:
-    """``PartitionSpec`` of each array of sharded ``FrontParams``: rank blocks along ``axis``."""
+    """``PartitionSpec`` of each array of sharded ``FrontParams`` (and of ``mf.nn.MoEFront``'s Params)."""
     return {
         "packed": P(axis, None),
         "bias": P(),

@@ -3,7 +3,7 @@
 The weights are a flat mapping under the model's module names (SPEC.md section 2). ``pack_params``
 turns one rank's share of them into the layout the kernels read: the packed
 ``[router rows; zero rows; latent rows]`` front weight (SPEC section 3), the full correction bias, and
-the rank's slice of the shared expert.
+the rank's slice of the shared expert. ``unpack_params`` turns every rank's share back into the weights.
 """
 
 from __future__ import annotations
@@ -195,3 +195,32 @@ def pack_params(
     split = padded_split(cfg.experts_per_rank, split_align)
     packed, gate_up, down = rank_slices(weights, cfg, rank, split)
     return FrontParams(packed, jnp.asarray(weights[BIAS]), gate_up, down, cfg, split)
+
+
+def unpack_params(params: FrontParams) -> dict[str, jax.Array]:
+    """The weights of SPEC section 2 that ``params`` hold: the inverse of ``pack_params`` at ``tp=1``
+    and of ``shard_params`` (or ``load_params``) on a mesh.
+
+    Not for a decode step (it copies every weight). On a mesh the arrays stay sharded over its axis;
+    the fused ``gate_up`` moves between devices, a rank's block of the packed layout being its gate
+    rows and its up rows rather than one block of ``[2S, H]``.
+
+    Raises:
+      ValueError: ``params`` are one rank's share of ``tp > 1`` (no mesh): they lack the other ranks'.
+    """
+    cfg, h = params.cfg, params.cfg.hidden
+    if params.mesh is None and cfg.tp != 1:
+        raise ValueError(
+            f"params are one rank's share of tp={cfg.tp}; unpack needs every rank's (shard_params')"
+        )
+    ranks = params.packed.reshape(cfg.tp, params.split + cfg.latent_per_rank, h)
+    weights = {
+        GATE: ranks[:, :cfg.experts_per_rank].reshape(cfg.experts, h),
+        BIAS: params.bias,
+        ROUTED_DOWN: ranks[:, params.split:].reshape(cfg.latent, h),
+    }
+    if params.has_shared:
+        halves = params.gate_up.reshape(cfg.tp, 2, cfg.shared_per_rank, h)
+        weights[GATE_UP] = jnp.concatenate([halves[:, half].reshape(cfg.shared, h) for half in (0, 1)])
+        weights[DOWN] = params.down
+    return weights

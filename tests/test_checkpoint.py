@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 from safetensors.numpy import save_file
 
 import moe_front_jax as mf
@@ -196,21 +195,3 @@ def test_load_params_straight_into_tp_shards(tmp_path, monkeypatch, tp):
     np.testing.assert_array_equal(np.asarray(got.ids), np.asarray(expected.ids))
     np.testing.assert_array_equal(np.asarray(got.shared), np.asarray(expected.shared))
 
-
-@pytest.mark.parametrize("tp, shared", [(None, True), (4, True), (4, False)])
-def test_module_from_checkpoint(tmp_path, monkeypatch, tp, shared):
-    weights = layer(6, shared=shared)
-    save_file(checkpoint(weights), str(tmp_path / "m.safetensors"))
-    mesh = None if tp is None else tp_mesh(tp)
-    reads = record_reads(monkeypatch)
-    front = mf.nn.MoEFront.from_checkpoint(tmp_path, CFG, PREFIX, mesh=mesh)
-    assert (front.shared_experts is None) == (not shared)
-    if mesh is not None:
-        assert front.gate.weight[...].sharding.spec == jax.sharding.PartitionSpec("tp", None)
-        assert all(bounds is not None for name, bounds in reads if name != P.BIAS)
-    assert_loaded(front.weights(), weights)
-    x = jax.random.normal(jax.random.key(0), (3, CFG.hidden)).astype(jnp.bfloat16)
-    want = jax.jit(mf.moe_front)(x, mf.pack_params({k: jnp.asarray(v) for k, v in weights.items()}, CFG))
-    got = nnx.jit(lambda m, x: m(x))(front, x)
-    np.testing.assert_array_equal(np.asarray(got.ids), np.asarray(want.ids))
-    np.testing.assert_array_equal(np.asarray(got.latent), np.asarray(want.latent))

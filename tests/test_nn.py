@@ -1,4 +1,5 @@
-"""mf.nn.MoEFront: the NNX module against mf.moe_front, alone and inside a small decode model."""
+"""mf.nn.MoEFront: the NNX module against mf.moe_front, alone and inside a small decode model; its
+Params in FrontParams' layout, read from a checkpoint, and passed straight to the front GEMM."""
 
 import functools
 import math
@@ -9,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import save_file
 
 import moe_front_jax as mf
 from moe_front_jax import params as P
+from moe_front_jax.checkpoint import CheckpointReader
 
 CFG = mf.FrontConfig(hidden=128, experts=64, top_k=8, latent=128, shared=64)
 
@@ -55,43 +58,75 @@ def test_module_called_eagerly():
     assert_outputs_equal(mf.nn.MoEFront(CFG, weights=weights)(x), reference_front(x, mf.pack_params(weights, CFG)))
 
 
+def assert_weights_equal(got, want):
+    """``got`` holds exactly ``want``: the same keys, shapes, dtypes and bits."""
+    assert set(got) == set(want)
+    for name, array in want.items():
+        assert got[name].shape == array.shape and got[name].dtype == array.dtype, name
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(array), err_msg=name)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_weights_returns_the_given_weights(shared):
+    weights = mf.init_weights(jax.random.key(2), CFG, shared=shared)
+    assert_weights_equal(mf.nn.MoEFront(CFG, weights=weights).weights(), weights)
+
+
 def test_rngs_draw_init_weights():
     front = mf.nn.MoEFront(CFG, rngs=nnx.Rngs(params=3))
-    want = mf.init_weights(nnx.Rngs(params=3).params(), CFG)
-    got = front.weights()
-    assert set(got) == set(want)
-    for name in want:
-        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
-    assert mf.nn.MoEFront(CFG, rngs=nnx.Rngs(0), shared=False).shared_experts is None
+    assert_weights_equal(front.weights(), mf.init_weights(nnx.Rngs(params=3).params(), CFG))
+    front = mf.nn.MoEFront(CFG, rngs=nnx.Rngs(0), shared=False)
+    assert front.gate_up is None and front.down is None
+    assert set(front.weights()) == {P.GATE, P.BIAS, P.ROUTED_DOWN}
 
 
-def test_params_carry_names_shapes_and_tp_annotations():
-    front = mf.nn.MoEFront(CFG, rngs=nnx.Rngs(0))
+def expected_layout(weights, tp):
+    """The Params' arrays for ``tp`` ranks, built here with numpy from the checkpoint's weights:
+    per rank its router rows, zero rows up to a multiple of 16, its latent rows; its gate rows, then
+    its up rows."""
+    w = {k: np.asarray(v) for k, v in weights.items()}
+    valid, shard, s_r = CFG.experts // tp, CFG.latent // tp, CFG.shared // tp
+    split = -(-valid // 16) * 16
+    packed, gate_up = [], []
+    for r in range(tp):
+        packed += [w[P.GATE][r * valid:(r + 1) * valid], np.zeros((split - valid, CFG.hidden), w[P.GATE].dtype),
+                   w[P.ROUTED_DOWN][r * shard:(r + 1) * shard]]
+        if P.GATE_UP in w:
+            gate_up += [w[P.GATE_UP][r * s_r:(r + 1) * s_r],
+                        w[P.GATE_UP][CFG.shared + r * s_r:CFG.shared + (r + 1) * s_r]]
+    layout = {"packed": np.concatenate(packed), "bias": w[P.BIAS]}
+    if gate_up:
+        layout.update(gate_up=np.concatenate(gate_up), down=w[P.DOWN])
+    return layout
+
+
+ANNOTATIONS = {"packed": ("tp", None), "bias": (), "gate_up": ("tp", None), "down": (None, "tp")}
+
+
+def assert_params_hold(front, weights, mesh):
+    """The module's Params are the FrontParams arrays of ``weights`` (``expected_layout``), with their
+    tp annotations, and on a mesh each device holds its rank's block."""
     state = nnx.state(front, nnx.Param)
     flat = {".".join(map(str, path)): var for path, var in nnx.to_flat_state(state)}
-    h, e, lat, s = CFG.hidden, CFG.experts, CFG.latent, CFG.shared
-    expected = {
-        "gate.weight": ((e, h), jnp.bfloat16, ("tp", None)),
-        "gate.e_score_correction_bias": ((e,), jnp.float32, (None,)),
-        "routed_down_weight": ((lat, h), jnp.bfloat16, ("tp", None)),
-        "shared_experts.gate_up_proj.weight": ((2, s, h), jnp.bfloat16, (None, "tp", None)),
-        "shared_experts.down_proj.weight": ((h, s), jnp.bfloat16, (None, "tp")),
-    }
-    assert set(flat) == set(expected)
     specs = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.get_partition_spec(state))}
-    for name, (shape, dtype, sharding) in expected.items():
-        assert flat[name].shape == shape and flat[name].dtype == dtype, name
-        assert flat[name].get_metadata()["out_sharding"] == sharding, name
-        assert specs[name].get_value() == jax.sharding.PartitionSpec(*sharding), name
+    want = expected_layout(weights, 1 if mesh is None else mesh.shape["tp"])
+    assert set(flat) == set(want)
+    for name, array in want.items():
+        value = flat[name][...]
+        assert value.dtype == array.dtype, name
+        np.testing.assert_array_equal(np.asarray(value), array, err_msg=name)
+        assert flat[name].get_metadata()["out_sharding"] == ANNOTATIONS[name], name
+        spec = jax.sharding.PartitionSpec(*ANNOTATIONS[name])
+        assert specs[name].get_value() == spec, name
+        if mesh is not None:
+            assert value.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), value.ndim), name
 
 
-def test_gate_up_view_keeps_gate_rows_then_up_rows():
-    weights = mf.init_weights(jax.random.key(0), CFG)
-    front = mf.nn.MoEFront(CFG, weights=weights)
-    held = np.asarray(front.shared_experts.gate_up_proj.weight[...])
-    fused = np.asarray(weights[P.GATE_UP])
-    np.testing.assert_array_equal(held[0], fused[: CFG.shared])
-    np.testing.assert_array_equal(held[1], fused[CFG.shared:])
+@pytest.mark.parametrize("tp, shared", [(None, True), (4, True), (8, False)])
+def test_params_hold_the_front_params_layout_with_tp_annotations(tp, shared):
+    weights = mf.init_weights(jax.random.key(0), CFG, shared=shared)
+    mesh = None if tp is None else tp_mesh(tp)
+    assert_params_hold(mf.nn.MoEFront(CFG, weights=weights, mesh=mesh), weights, mesh)
 
 
 class TinyDecoder(nnx.Module):
@@ -162,15 +197,6 @@ def test_module_on_a_tp_mesh_matches_moe_front(tp):
     weights = mf.init_weights(jax.random.key(0), CFG)
     front = mf.nn.MoEFront(CFG, weights=weights, mesh=tp_mesh(tp))
     assert front.cfg.tp == tp
-    valid, s_r = CFG.experts // tp, CFG.shared // tp
-    fused = np.asarray(weights[P.GATE_UP])
-    for r, device in enumerate(front.gate.weight[...].sharding.mesh.devices.flat):
-        gate = next(s for s in front.gate.weight[...].addressable_shards if s.device == device)
-        np.testing.assert_array_equal(np.asarray(gate.data), np.asarray(weights[P.GATE][r * valid:(r + 1) * valid]))
-        gate_up = next(s for s in front.shared_experts.gate_up_proj.weight[...].addressable_shards
-                       if s.device == device)
-        want = np.stack([fused[r * s_r:(r + 1) * s_r], fused[CFG.shared + r * s_r:CFG.shared + (r + 1) * s_r]])
-        np.testing.assert_array_equal(np.asarray(gate_up.data), want)
     x = rows(5)
     got = nnx.jit(lambda m, x: m(x, plan=True))(front, x)
     want = reference_front(x, mf.pack_params(weights, CFG), plan=True)
@@ -178,8 +204,7 @@ def test_module_on_a_tp_mesh_matches_moe_front(tp):
     np.testing.assert_allclose(np.asarray(got.shared, np.float32), np.asarray(want.shared, np.float32),
                                rtol=2.0**-7, atol=2.0**-10)
     assert_outputs_equal(got._replace(shared=want.shared), want)
-    for name, array in front.weights().items():
-        np.testing.assert_array_equal(np.asarray(array), np.asarray(weights[name]), err_msg=name)
+    assert_weights_equal(front.weights(), weights)
 
 
 def test_decode_model_with_a_tp_front_under_nnx_jit():
@@ -222,3 +247,91 @@ def test_tp_arguments_raise_value_error():
         mf.nn.MoEFront(CFG.with_tp(4), weights=weights, mesh=tp_mesh(2))
     with pytest.raises(ValueError, match="shared_reduce must be one of"):
         mf.nn.MoEFront(CFG, weights=weights, shared_reduce="sum")
+
+
+PREFIX = "model.layers.3.mlp."
+
+
+@pytest.mark.parametrize("tp, shared", [(None, True), (4, True), (8, False)])
+def test_from_checkpoint_round_trips(tmp_path, monkeypatch, tp, shared):
+    weights = mf.init_weights(jax.random.key(6), CFG, shared=shared)
+    tensors = {PREFIX + name: np.asarray(array) for name, array in weights.items()}
+    tensors["model.layers.4.mlp.gate.weight"] = tensors[PREFIX + P.GATE] * 0  # a neighbouring layer
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    reads, read = [], CheckpointReader.read
+
+    def spy(self, name, bounds=None):
+        reads.append((name, bounds))
+        return read(self, name, bounds)
+
+    monkeypatch.setattr(CheckpointReader, "read", spy)
+    mesh = None if tp is None else tp_mesh(tp)
+    front = mf.nn.MoEFront.from_checkpoint(tmp_path, CFG, PREFIX, mesh=mesh, backend="xla")
+    assert_params_hold(front, weights, mesh)
+    assert_weights_equal(front.weights(), weights)
+    if mesh is not None:
+        # Each device read only its rank's rows (or down's columns) of each weight.
+        block = {P.GATE: CFG.experts // tp, P.ROUTED_DOWN: CFG.latent // tp, P.GATE_UP: CFG.shared // tp}
+        for name, bounds in reads:
+            if name in block:
+                assert bounds[0][1] - bounds[0][0] == block[name], (name, bounds)
+            elif name == P.DOWN:
+                assert bounds[1][1] - bounds[1][0] == CFG.shared // tp, bounds
+    x = rows(3)
+    got = nnx.jit(lambda m, x: m(x))(front, x)
+    want = reference_front(x, mf.pack_params(weights, CFG))
+    np.testing.assert_array_equal(np.asarray(got.ids), np.asarray(want.ids))
+    np.testing.assert_array_equal(np.asarray(got.latent), np.asarray(want.latent))
+
+
+WEIGHT_PARAMS = ("packed", "gate_up", "down")
+
+
+def weight_reads(jaxpr, labels):
+    """``(param, primitive, operand index)`` of every equation that reads a weight Param in
+    ``jaxpr``, following the Params through the calls they enter whole (jit, shard_map)."""
+    reads = []
+    for eqn in jaxpr.eqns:
+        inputs = [labels.get(v) if isinstance(v, jax.extend.core.Var) else None for v in eqn.invars]
+        bodies = [getattr(p, "jaxpr", p) for p in eqn.params.values()
+                  if isinstance(p, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))]
+        if any(inputs) and len(bodies) == 1 and len(bodies[0].invars) == len(inputs):
+            reads += weight_reads(bodies[0], {v: label for v, label in zip(bodies[0].invars, inputs) if label})
+        else:
+            reads += [(label, eqn.primitive.name, i) for i, label in enumerate(inputs) if label]
+    return reads
+
+
+HLO_ARRAY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} ([\w-]+)\(")
+
+
+@pytest.mark.parametrize("tp", [None, 8])
+def test_a_call_passes_the_params_straight_to_the_gemms(tp):
+    """No repacking per call: under nnx.jit the packed Param (and the shared expert's) is read only by
+    its GEMM, and the optimized program makes no array the size of a rank's packed weight."""
+    mesh = None if tp is None else tp_mesh(tp)
+    front = mf.nn.MoEFront(CFG, rngs=nnx.Rngs(0), mesh=mesh)
+    x = rows(5)
+    call = nnx.jit(lambda m, x: m(x))
+    graphdef, state = nnx.split(front)
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    closed = jax.make_jaxpr(lambda state, x: call(nnx.merge(graphdef, state), x))(state, x)
+    labels = {}
+    for var, (path, _) in zip(closed.jaxpr.invars, leaves):
+        name = next((key.key for key in path if getattr(key, "key", None) in WEIGHT_PARAMS), None)
+        if name:
+            labels[var] = name
+    assert sorted(labels.values()) == sorted(WEIGHT_PARAMS)
+    reads = weight_reads(closed.jaxpr, labels)
+    # One GEMM reads each weight, as its right-hand operand, and nothing else touches it.
+    assert sorted(reads) == sorted((name, "dot_general", 1) for name in WEIGHT_PARAMS), reads
+
+    # Compiled: graph-mode nnx.jit also returns the module's Variables, which XLA copies into fresh
+    # buffers unless they are donated; a call that takes no updates back (graph_updates=False, as in
+    # examples/decode.py) makes no array the size of a rank's packed weight.
+    ranks = tp or 1
+    packed_rows = -(-CFG.experts // ranks // 16) * 16 + CFG.latent // ranks
+    hlo = nnx.jit(lambda m, x: m(x), graph_updates=False).lower(front, x).compile().as_text()
+    made = [(op, shape) for dtype, shape, op in HLO_ARRAY.findall(hlo)
+            if op != "parameter" and math.prod(map(int, filter(None, shape.split(",")))) >= packed_rows * CFG.hidden]
+    assert not made, made
