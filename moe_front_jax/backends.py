@@ -39,9 +39,9 @@ REFERENCE: dict[str, Callable] = {
 KERNELS: dict[str, str] = {
     "front_gemm": "moe_front_jax.pallas.front_gemm:front_gemm",
     "front_gemm_plan": "moe_front_jax.pallas.front_gemm:front_gemm_plan",
+    "route": "moe_front_jax.pallas.route:route",
 }
 PENDING: dict[str, str] = {
-    "route": "issue #3 (the exact top-k routing kernel)",
     "plan": "issue #7 (the MXFP8 plan and shared expert kernels)",
     "shared_expert": "issue #7 (the MXFP8 plan and shared expert kernels)",
 }
