@@ -6,4 +6,6 @@ WHEELS=${WHEELS:-$(git rev-parse --show-toplevel 2>/dev/null || pwd)/.whl}
 python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "$WHEELS"/*.whl || return 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . || return 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-python3 -c "import jax, moe_front_jax; print('jax', jax.__version__, jax.devices())"
+# From another folder: in the checkout, the source folder moe_front_jax/ (without its pallas and bridge
+# subpackages) would shadow the installed package.
+(cd /tmp && python3 -c "import jax, moe_front_jax; print('jax', jax.__version__, jax.devices())")
