@@ -39,10 +39,10 @@ REFERENCE: dict[str, Callable] = {
 KERNELS: dict[str, str] = {
     "front_gemm": "moe_front_jax.pallas.front_gemm:front_gemm",
     "front_gemm_plan": "moe_front_jax.pallas.front_gemm:front_gemm_plan",
+    "route": "moe_front_jax.pallas.route:route",
     "shared_expert": "moe_front_jax.pallas.shared_expert:shared_expert",
 }
 PENDING: dict[str, str] = {
-    "route": "issue #3 (the exact top-k routing kernel)",
     "plan": "issue #7 (the standalone MXFP8 plan kernel; front_gemm_plan writes the plan from the "
     "front GEMM's epilogue)",
 }

@@ -1,0 +1,378 @@
+"""The Pallas routing kernel: interpret mode against the reference and the numpy oracle on every SPEC
+edge case and on random rows, a seeded property loop over thousands of adversarial rows, lowering
+for an H200 from the CPU host, and on a GPU against the XLA reference on the same device."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_front_jax as mf
+from moe_front_jax import backends, reference
+from moe_front_jax.pallas import route as rt
+from h200 import H200, lower_for_h200
+import oracle
+
+K3 = mf.KIMI_K3
+CONFIGS = {
+    "k3": K3,
+    "e256_top8": mf.FrontConfig(hidden=256, experts=256, top_k=8, latent=128, shared=0),
+    "e384_top8_scaled": mf.FrontConfig(
+        hidden=256, experts=384, top_k=8, latent=128, shared=0, routed_scaling_factor=2.5
+    ),
+    "e1024_top32": mf.FrontConfig(hidden=256, experts=1024, top_k=32, latent=128, shared=0),
+    "e100_top6_plain": mf.FrontConfig(
+        hidden=256, experts=100, top_k=6, latent=128, shared=0, routed_scaling_factor=2.5,
+        renormalize=False,
+    ),
+}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "config"))
+def interpret(logits, bias, *, cfg, config=None):
+    return rt.route(logits, bias, cfg, interpret=True, config=config)
+
+
+reference_route = jax.jit(reference.route, static_argnums=2)
+
+
+def check(logits, bias, cfg=K3, config=None):
+    """The interpret kernel against the reference (ids and weight bits equal: on the CPU the kernel's
+    sigmoid, tree sum and division are the reference's) and the float64 oracle (ids equal on rows
+    whose oracle keys have no near tie among the top k + 1, weights within one bf16 ulp where the ids
+    agree: the oracle's sigmoid is correctly rounded, XLA's may be an ulp off); returns (ids, weights)
+    as numpy."""
+    logits = jnp.asarray(logits, jnp.float32)
+    bias = jnp.asarray(bias, jnp.float32)
+    ids, weights = interpret(logits, bias, cfg=cfg, config=config)
+    ids, weights = np.asarray(ids), np.asarray(weights)
+    assert ids.dtype == np.int32 and ids.shape == (logits.shape[0], cfg.top_k)
+    assert weights.dtype == jnp.bfloat16 and weights.shape == ids.shape
+    ref_ids, ref_weights = reference_route(logits, bias, cfg)
+    np.testing.assert_array_equal(ids, np.asarray(ref_ids))
+    np.testing.assert_array_equal(weights.view(np.uint16), np.asarray(ref_weights).view(np.uint16))
+    want_ids, want_weights = oracle.route(
+        np.asarray(logits), np.asarray(bias), cfg.top_k, cfg.routed_scaling_factor, cfg.renormalize
+    )
+    clear = oracle_clear_rows(logits, bias, cfg.top_k)
+    assert clear.mean() > 0.9
+    np.testing.assert_array_equal(ids[clear], want_ids[clear])
+    same = (ids == want_ids).all(axis=1)
+    assert oracle.bf16_ulp_distance(weights[same], want_weights[same]).max(initial=0) <= 1
+    assert_valid(ids, weights, cfg.experts)
+    return ids, weights
+
+
+def oracle_clear_rows(logits, bias, k, ulps=4):
+    """Rows whose oracle keys, sorted, have no two of the top k + 1 within ``ulps`` (bit-equal keys
+    are ties, which every implementation breaks by id)."""
+    s = oracle.sigmoid32(np.asarray(logits))
+    keys = oracle.ordered((s + np.asarray(bias, np.float32)).astype(np.float32)).astype(np.int64)
+    top = -np.sort(-keys, axis=1)[:, :k + 1]
+    gaps = top[:, :-1] - top[:, 1:]
+    return ~((gaps > 0) & (gaps <= ulps)).any(axis=1)
+
+
+def assert_valid(ids, weights, experts):
+    assert ((ids >= 0) & (ids < experts)).all()
+    assert all(len(set(row)) == len(row) for row in ids.tolist())
+    assert not np.isnan(np.asarray(weights, np.float32)).any()
+
+
+# --- SPEC edge cases ---------------------------------------------------------------------------------
+
+
+def test_bit_equal_keys_tie_to_lower_id():
+    logits = np.full((3, K3.experts), 0.3, np.float32)
+    logits[1, ::7] = 0.9  # 128 bit-equal winners: the lowest 16 of them
+    logits[2, 880:] = 5.0  # exactly 16 winners at the top ids, and 880 bit-equal losers
+    ids, weights = check(logits, np.zeros(K3.experts))
+    np.testing.assert_array_equal(ids[0], np.arange(16))
+    np.testing.assert_array_equal(ids[1], np.arange(16) * 7)
+    np.testing.assert_array_equal(ids[2], np.arange(880, 896))
+    np.testing.assert_array_equal(weights.astype(np.float32), np.full((3, 16), 1 / 16, np.float32))
+
+
+def test_ties_straddling_the_cut():
+    """Five experts tie at the 16th key: the lowest three of them fill ranks 13-15."""
+    logits = np.zeros((1, K3.experts), np.float32)
+    logits[0, 100:113] = np.linspace(3.0, 2.0, 13)  # ranks 0..12, distinct
+    logits[0, [800, 40, 600, 41, 5]] = 1.0  # bit-equal: ranks 13..15 are 5, 40, 41
+    ids, _ = check(logits, np.zeros(K3.experts))
+    np.testing.assert_array_equal(ids[0, :13], np.arange(100, 113))
+    np.testing.assert_array_equal(ids[0, 13:], [5, 40, 41])
+
+
+def test_all_equal_row_and_zero_signs():
+    logits = np.zeros((2, K3.experts), np.float32)
+    logits[0, 1::2] = -0.0  # sigmoid(-0.0) == sigmoid(+0.0): every key is bit-equal
+    # Keys of -0.0 and +0.0: sigmoid(-40) + (-sigmoid(-40)) is +0.0; a bias of -0.0 on a zero score
+    # (sigmoid(-inf)) gives +0.0 + -0.0 = +0.0 too. Equal keys, so ids in order.
+    logits[1] = -np.inf
+    bias = np.zeros(K3.experts, np.float32)
+    bias[::3] = -0.0
+    ids, weights = check(logits, bias)
+    np.testing.assert_array_equal(ids, np.tile(np.arange(16), (2, 1)))
+    np.testing.assert_array_equal(weights.astype(np.float32)[0], np.full(16, 1 / 16, np.float32))
+    np.testing.assert_array_equal(weights.astype(np.float32)[1], np.zeros(16, np.float32))
+
+
+def test_negative_zero_bias_on_a_zero_score_ties_with_positive_zero():
+    """A key is never -0.0: a zero score plus a -0.0 bias is +0.0, bit-equal to the +0.0 keys."""
+    logits = np.full((1, K3.experts), -np.inf, np.float32)  # sigmoid 0.0: keys = 0.0 + bias
+    bias = np.full(K3.experts, -1.0, np.float32)
+    bias[3] = -0.0
+    bias[500:520] = 0.0
+    ids, _ = check(logits, bias)
+    np.testing.assert_array_equal(ids[0], [3] + list(range(500, 515)))
+    logits[0, 3] = -0.0  # sigmoid(-0.0) = 0.5: the top
+    ids, _ = check(logits, bias)
+    np.testing.assert_array_equal(ids[0], [3] + list(range(500, 515)))
+    np.testing.assert_array_equal(check(logits[:, ::-1].copy(), bias[::-1].copy())[0][0],
+                                  [892] + list(range(376, 391)))
+
+
+def test_nan_logits_rank_lowest():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 1, (2, K3.experts)).astype(np.float32)
+    logits[0, :100] = np.nan
+    logits[1, :] = np.nan
+    logits[1, [500, 40, 890, 7, 300]] = [3.0, 2.0, 1.0, 0.0, -1.0]
+    ids, weights = check(logits, np.zeros(K3.experts))
+    assert (ids[0] >= 100).all()
+    np.testing.assert_array_equal(ids[1, :5], [500, 40, 890, 7, 300])
+    np.testing.assert_array_equal(ids[1, 5:], [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11])
+    assert (weights[1, 5:].astype(np.float32) == 0).all()
+
+
+def test_all_nan_rows():
+    logits = np.full((3, K3.experts), np.nan, np.float32)
+    logits[2, 0] = -np.nan  # a negative NaN is a NaN too
+    bias = np.zeros(K3.experts, np.float32)
+    bias[:4] = np.nan
+    ids, weights = check(logits, bias)
+    np.testing.assert_array_equal(ids, np.tile(np.arange(16), (3, 1)))
+    np.testing.assert_array_equal(weights.astype(np.float32), np.zeros((3, 16), np.float32))
+
+
+def test_nan_bias_ranks_lowest_but_weighs_its_sigmoid():
+    logits = np.zeros((1, K3.experts), np.float32)
+    logits[0, 3] = 10.0
+    bias = np.zeros(K3.experts, np.float32)
+    bias[3] = np.nan
+    ids, _ = check(logits, bias)
+    assert 3 not in ids[0]
+    # With too few numbers, the NaN-keyed expert is chosen (lowest) and weighs its sigmoid.
+    bias[:] = np.nan
+    bias[[9, 2]] = 0.0
+    ids, weights = check(logits, bias)
+    np.testing.assert_array_equal(ids[0, :2], [2, 9])
+    assert 3 in ids[0] and (weights[0].astype(np.float32) > 0).all()
+
+
+def test_infinities():
+    logits = np.zeros((2, K3.experts), np.float32)
+    logits[0, [300, 7]] = np.inf  # sigmoid 1.0: bit-equal keys, 7 first
+    logits[0, 1:3] = -np.inf
+    logits[1] = -np.inf
+    logits[1, 50] = np.inf
+    bias = np.zeros(K3.experts, np.float32)
+    ids, _ = check(logits, bias)
+    np.testing.assert_array_equal(ids[0, :3], [7, 300, 0])
+    assert 1 not in ids[0] and 2 not in ids[0]
+    np.testing.assert_array_equal(ids[1], [50] + list(range(15)))
+    # Infinite biases: +inf keys first (lower id on the tie), -inf keys last but above NaN.
+    bias[[600, 4]] = np.inf
+    bias[:4] = -np.inf
+    logits[1, 5:] = np.nan
+    ids, _ = check(logits, bias)
+    np.testing.assert_array_equal(ids[0, :4], [4, 600, 7, 300])
+    # Row 1: 4's key is +inf, 0..3's -inf (above the NaN keys of every other expert, 600's too).
+    np.testing.assert_array_equal(ids[1], [4, 0, 1, 2, 3] + list(range(5, 16)))
+
+
+@pytest.mark.parametrize("direction", [1, -1])
+def test_bias_makes_every_key_negative(direction):
+    logits = np.zeros((2, K3.experts), np.float32)
+    logits[1] = np.random.default_rng(4).normal(0, 1, K3.experts)
+    bias = (-3.0 + direction * 0.001 * np.arange(K3.experts)).astype(np.float32)
+    ids, _ = check(logits, bias)
+    want = np.arange(16) if direction < 0 else K3.experts - 1 - np.arange(16)
+    np.testing.assert_array_equal(ids[0], want)
+
+
+# --- random rows, other configs, schedules -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("batch", [1, 3, 37, 255])
+def test_random_rows(name, batch):
+    cfg = CONFIGS[name]
+    rng = np.random.default_rng(batch * 1000 + cfg.experts)
+    logits = rng.normal(0, 2, (batch, cfg.experts)).astype(np.float32)
+    bias = rng.uniform(-0.05, 0.05, cfg.experts).astype(np.float32)
+    # The shipped schedule (one row a program) at small B; blocks of rows, with a ragged last block.
+    config = rt.RouteConfig(1, 4) if batch < 37 else rt.RouteConfig(16, 4)
+    check(logits, bias, cfg, config)
+
+
+def adversarial_rows(rng, rows, experts):
+    """Rows drawn to make ties and specials likely: logits from a few values (many bit-equal keys),
+    NaN, +-inf, +-0.0, and normals; biases from a few values, NaN, +-inf and -0.0 too."""
+    kinds = rng.integers(0, 4, rows)
+    few = np.array([0.0, -0.0, 1.0, -1.0, 2.5, np.inf, -np.inf, np.nan], np.float32)
+    logits = rng.normal(0, 3, (rows, experts)).astype(np.float32)
+    pick = few[rng.integers(0, len(few), (rows, experts))]
+    coarse = kinds[:, None] == 1  # rows made of a few values only
+    sprinkle = (kinds[:, None] == 2) & (rng.random((rows, experts)) < 0.1)  # normals with specials
+    logits = np.where(coarse | sprinkle, pick, logits)
+    logits[kinds == 3] = np.round(logits[kinds == 3])  # integers: many bit-equal keys
+    bias = rng.choice(np.array([0.0, -0.0, 0.01, -0.01, -2.0], np.float32), experts)
+    specials = rng.random(experts) < 0.02
+    bias[specials] = rng.choice(np.array([np.nan, np.inf, -np.inf], np.float32), specials.sum())
+    return logits, bias
+
+
+@pytest.mark.parametrize("name", ["k3", "e1024_top32"])
+def test_property_thousands_of_adversarial_rows(name):
+    """A seeded loop: 2048 rows per config in blocks of 256, each block with its own bias."""
+    cfg = CONFIGS[name]
+    rng = np.random.default_rng(2024)
+    for _ in range(8):
+        logits, bias = adversarial_rows(rng, 256, cfg.experts)
+        check(logits, bias, cfg, rt.RouteConfig(64, 4))
+
+
+# --- registration, lowering, errors ------------------------------------------------------------------
+
+
+def test_registered_behind_route_and_moe_front():
+    assert backends.KERNELS["route"] == "moe_front_jax.pallas.route:route"
+    assert "route" not in backends.PENDING and "route" not in backends.AUTO_PREFERS_XLA
+    fn = backends.stage("route", "interpret")
+    assert fn.func is rt.route and fn.keywords == {"interpret": True}
+    assert backends.stage("route", "pallas").keywords == {"interpret": False}
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.normal(0, 2, (5, K3.experts)).astype(np.float32))
+    bias = jnp.asarray(rng.uniform(-0.05, 0.05, K3.experts).astype(np.float32))
+    got = jax.jit(lambda l, b: mf.route(l, b, K3, backend="interpret"))(logits, bias)
+    want = reference_route(logits, bias, K3)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(
+        np.asarray(got[1]).view(np.uint16), np.asarray(want[1]).view(np.uint16)
+    )
+
+
+@pytest.mark.parametrize(
+    "name, batches", [("k3", (1, 64, 256)), ("e1024_top32", (1, 37)), ("e100_top6_plain", (3,))]
+)
+def test_lowers_for_h200_as_one_kernel(name, batches):
+    """One Triton kernel per call; no sort, top_k, gather or division left to XLA."""
+    cfg = CONFIGS[name]
+    bias = jnp.zeros((cfg.experts,), jnp.float32)
+    for batch in batches:
+        logits = jnp.zeros((batch, cfg.experts), jnp.float32)
+        text = lower_for_h200(lambda l, b: rt.route(l, b, cfg), logits, bias)
+        assert text.count("__gpu$xla.gpu.triton") == 1
+        for op in ("stablehlo.sort", "top_k", "stablehlo.gather", "stablehlo.divide", "logistic"):
+            assert op not in text, (name, batch, op)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert rt.pick_config(64, 896, 16) in [c for _, c in rt.H200_TABLE[896, 16]]
+
+
+def test_heuristic_and_config_errors():
+    assert rt.heuristic_config(1, 896, 16) == rt.RouteConfig(1, 4)
+    assert rt.heuristic_config(1, 100, 6) == rt.RouteConfig(1, 1)
+    with pytest.raises(ValueError, match="RouteConfig.block_rows must be a power of two"):
+        rt.RouteConfig(3, 4)
+    with pytest.raises(ValueError, match="RouteConfig.num_warps must be a power of two"):
+        rt.RouteConfig(1, 0)
+    bias = jnp.zeros((K3.experts,), jnp.float32)
+    with pytest.raises(ValueError, match=r"logits must be \[B, experts=896\] float32"):
+        rt.route(jnp.zeros((2, 64), jnp.float32), bias, K3)
+    with pytest.raises(ValueError, match="logits is an empty batch"):
+        rt.route(jnp.zeros((0, 896), jnp.float32), bias, K3)
+    with pytest.raises(ValueError, match=r"bias must be \(896,\) float32"):
+        rt.route(jnp.zeros((2, 896), jnp.float32), bias[:5], K3)
+    with pytest.raises(ValueError, match="config must be a RouteConfig"):
+        rt.route(jnp.zeros((2, 896), jnp.float32), bias, K3, config=(1, 4))
+    big = mf.FrontConfig(hidden=64, experts=8192, top_k=16, latent=32, shared=0)
+    with pytest.raises(NotImplementedError, match="up to 4096 experts"):
+        rt.route(jnp.zeros((1, 8192), jnp.float32), jnp.zeros((8192,), jnp.float32), big)
+
+
+# --- on the GPU --------------------------------------------------------------------------------------
+
+GPU_ROWS = 100_000
+CLEAR_ULPS = 8
+
+
+def edge_rows(experts):
+    """The edge cases above as rows of one batch (bias zero): ties, NaN, infinities, zeros."""
+    rows = np.zeros((8, experts), np.float32)
+    rows[0] = 0.3
+    rows[0, ::7] = 0.9
+    rows[1, 1::2] = -0.0
+    rows[2] = np.nan
+    rows[3, :100] = np.nan
+    rows[3, 100:] = np.random.default_rng(0).normal(0, 1, experts - 100)
+    rows[4, [300, 7]] = np.inf
+    rows[4, 1:3] = -np.inf
+    rows[5] = -np.inf
+    rows[6, 880:] = 5.0
+    rows[7] = np.nan
+    rows[7, [500, 40, 890, 7, 300]] = [3.0, 2.0, 1.0, 0.0, -1.0]
+    return rows
+
+
+@pytest.mark.gpu
+def test_gpu_matches_xla_reference():
+    """100,000 random rows and the edge cases on the GPU, against the XLA reference on the same
+    device: ids equal wherever the reference's sorted keys down to the 17th are more than 8 ulps
+    apart (the chosen set wherever the 16th and 17th are), ties to the lower id, weights within one
+    bf16 ulp where the ids agree, never a NaN weight or a repeated id.
+
+    Bit-equal keys count as near ties in random rows: the kernel's sigmoid (libdevice exp, a
+    correctly rounded division) and XLA's differ in the last bits, so two keys equal under XLA's
+    sigmoid need not be equal under the kernel's. Genuine ties, from bit-equal logits and biases, are
+    the edge rows."""
+    cfg = K3
+    k = cfg.top_k
+    rng = np.random.default_rng(11)
+    bias = rng.uniform(-0.05, 0.05, cfg.experts).astype(np.float32)
+    random_rows = rng.normal(0, 2, (GPU_ROWS, cfg.experts)).astype(np.float32)
+    kernel = jax.jit(lambda l, b: rt.route(l, b, cfg))
+    xla = jax.jit(lambda l, b: reference.route(l, b, cfg))
+    keys_of = jax.jit(lambda l, b: reference.ordered_key(jax.nn.sigmoid(l) + b))
+    edges = jnp.asarray(edge_rows(cfg.experts))
+    zero = jnp.zeros(cfg.experts, jnp.float32)
+    checked = 0
+    for logits, row_bias, ties in [(edges, zero, True)] + [
+        (jnp.asarray(random_rows[i:i + 256]), jnp.asarray(bias), False)
+        for i in range(0, GPU_ROWS, 256)
+    ]:
+        ids, weights = map(np.asarray, kernel(logits, row_bias))
+        ref_ids, ref_weights = map(np.asarray, xla(logits, row_bias))
+        assert_valid(ids, weights, cfg.experts)
+        keys = np.sort(np.asarray(keys_of(logits, row_bias)).astype(np.int64), axis=1)[:, ::-1]
+        gaps = keys[:, :k] - keys[:, 1:k + 1]  # gaps between ranks r and r + 1, r < k
+        near = (gaps <= CLEAR_ULPS) & ((gaps > 0) | (not ties))
+        clear = ~near.any(axis=1)
+        np.testing.assert_array_equal(ids[clear], ref_ids[clear])
+        cut_clear = ~near[:, k - 1]
+        np.testing.assert_array_equal(np.sort(ids[cut_clear], 1), np.sort(ref_ids[cut_clear], 1))
+        same = (ids == ref_ids).all(axis=1)
+        assert oracle.bf16_ulp_distance(weights[same], ref_weights[same]).max(initial=0) <= 1
+        checked += 0 if ties else int(clear.sum())
+    edge_ids = np.asarray(kernel(edges, zero)[0])
+    np.testing.assert_array_equal(edge_ids[0], np.arange(16) * 7)
+    np.testing.assert_array_equal(edge_ids[1], np.arange(16))
+    np.testing.assert_array_equal(edge_ids[2], np.arange(16))
+    np.testing.assert_array_equal(edge_ids[4, :3], [7, 300, 0])
+    np.testing.assert_array_equal(edge_ids[5], np.arange(16))
+    np.testing.assert_array_equal(edge_ids[6], np.arange(880, 896))
+    np.testing.assert_array_equal(edge_ids[7], [500, 40, 890, 7, 300, 0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11])
+    assert checked >= 0.99 * GPU_ROWS, checked
