@@ -26,7 +26,8 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, say how long it too
 }
 
 # pytest runs from tests/ so that `import moe_front_jax` is the copy gpu_env.sh installed.
-step gpu_tests bash -c 'cd tests && python3 -m pytest -q -m gpu -rs -p no:cacheprovider .'
+# (test_notebook.py holds no GPU test and needs nbformat, which the GPU image lacks.)
+step gpu_tests bash -c 'cd tests && python3 -m pytest -q -m gpu -rs -p no:cacheprovider --ignore=test_notebook.py .'
 step decode python3 examples/decode.py --batch 1 64 --steps 3 --backend pallas
 for bench in ${BENCHES:-route front_gemm shared_expert mailbox}; do
   step "bench_$bench" python3 "benchmarks/bench_$bench.py" --out "$OUT"

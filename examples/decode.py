@@ -29,6 +29,17 @@ SMALL = mf.FrontConfig(hidden=512, experts=128, top_k=16, latent=256, shared=512
 """``--small``: K3's proportions at a size that initialises and compiles in seconds on a CPU."""
 
 
+STAGES = ("front_gemm_plan", "route", "shared_expert")
+"""The stages a step runs: the front GEMM with the MXFP8 plan from its epilogue, routing, shared expert."""
+
+
+def implementation(stage: str, backend: str) -> str:
+    """``module.function`` that runs ``stage`` under ``backend`` on this machine."""
+    fn = backends.stage(stage, backend)
+    fn = getattr(fn, "func", fn)  # a kernel comes as functools.partial(kernel, interpret=...)
+    return f"{fn.__module__}.{fn.__name__}"
+
+
 def invariant_failures(out: mf.FrontOutput, bias, cfg: mf.FrontConfig, batch: int) -> list[str]:
     """The SPEC invariants this output breaks (an empty list when it keeps them all)."""
     failures = []
@@ -111,8 +122,7 @@ def main(argv=None) -> int:
 
     cfg = SMALL if args.small else mf.KIMI_K3
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; backend={args.backend!r} -> "
-          + ", ".join(f"{s}: {backends.stage(s, args.backend).__module__.split('.')[-1]}"
-                      for s in ("front_gemm", "route", "shared_expert", "plan")))
+          + ", ".join(f"{s}: {implementation(s, args.backend)}" for s in STAGES))
     print(f"{'Scaled-down' if args.small else 'Kimi-K3'} front: hidden {cfg.hidden}, {cfg.experts} experts, top-{cfg.top_k}, "
           f"latent {cfg.latent}, shared {cfg.shared}; seeded random weights (nnx.Rngs(0))")
     model = DecodeModel(cfg, args.backend, nnx.Rngs(0))
