@@ -76,6 +76,9 @@ NAN_KEY = -(2**31) + 1
 """Ordered int32 key of a NaN: below every number (no float maps here)."""
 PAD_KEY = -(2**31)
 """Key of a padding lane and of an expert already chosen: below NaN."""
+COMPACT_LOOP = None
+SELECTS = ("argmax", "radix")
+"""Selections the kernel implements (``RouteConfig.select``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,16 +88,33 @@ class RouteConfig:
     Attributes:
       block_rows: rows per program, a power of two.
       num_warps: Triton warps per program, a power of two.
+      select: ``"argmax"`` (``top_k`` dependent argmax rounds) or ``"radix"`` (the K-th largest key
+        by an MSB-first radix select, then compaction and a ``[K, K]`` ranking).
+      digit_bits: bits the radix select decides per step (1 to 4): ``2 ** digit_bits - 1``
+        independent counts a step, ``ceil(32 / digit_bits)`` dependent steps. Unused by argmax.
     """
 
     block_rows: int
     num_warps: int
+    select: str = "argmax"
+    digit_bits: int = 2
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
                 raise ValueError(f"RouteConfig.{name} must be a power of two >= 1, got {value!r}")
+        if self.select not in SELECTS:
+            raise ValueError(f"RouteConfig.select must be one of {SELECTS}, got {self.select!r}")
+        if (not isinstance(self.digit_bits, int) or isinstance(self.digit_bits, bool)
+                or not 1 <= self.digit_bits <= 4):
+            raise ValueError(f"RouteConfig.digit_bits must be 1, 2, 3 or 4, got {self.digit_bits!r}")
+
+    @property
+    def name(self) -> str:
+        """Short label, as the sweep prints it: ``r1w4`` (argmax) or ``r1w4x2`` (radix, 2-bit digits)."""
+        tail = "" if self.select == "argmax" else f"x{self.digit_bits}"
+        return f"r{self.block_rows}w{self.num_warps}{tail}"
 
 
 def next_power_of_2(n: int) -> int:
@@ -166,8 +186,124 @@ def _tree_sum(w):
     return w
 
 
+def _select_argmax(ordered, lane, slot, k):
+    """``top_k`` argmax rounds: rank r's expert is round r's argmax (ties to the lower lane), then
+    masked to ``PAD_KEY``. Returns ids ``[rows, slots]`` (slots past ``k`` zero)."""
+    ids = jnp.zeros((ordered.shape[0], slot.shape[1]), jnp.int32)
+    for r in range(k):
+        best = jnp.argmax(ordered, axis=1).astype(jnp.int32)[:, None]  # ties: the lower lane
+        ids = jnp.where(slot == r, best, ids)
+        if r + 1 < k:
+            ordered = jnp.where(lane == best, jnp.int32(PAD_KEY), ordered)
+    return ids
+
+
+def _as_int32(value: int) -> int:
+    """A 32-bit pattern as the int32 of the same bits."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _digit_steps(digit_bits: int) -> list[tuple[int, int]]:
+    """(shift, width) of each radix step, most significant first, covering bits 31..0."""
+    steps, top = [], 32
+    while top > 0:
+        width = min(digit_bits, top)
+        steps.append((top - width, width))
+        top -= width
+    return steps
+
+
+def _select_radix(ordered, lane, slot, k, experts, digit_bits, compact_loop):
+    """Exact top-k by radix select, compaction and ranking; no sort, gather or argmax.
+
+    1. ``T``, the k-th largest key, MSB-first in the unsigned domain ``u = key ^ INT32_MIN``: the
+       prefix ``P`` (bits decided so far, the rest zero) always has ``count(u >= P) >= k``; a step
+       counts ``u >= P | d << shift`` for every digit ``d >= 1`` at once and keeps the largest ``d``
+       whose count is still ``>= k``. Counts are at most ``experts`` (padding lanes are ``u = 0``,
+       below every candidate, which is ``>= 1``), so several pack into one int32 sum, fields of
+       ``experts.bit_length()`` bits: one reduction a step for 2-bit digits at 896 experts.
+    2. ``gt = key > T``, ``eq = key == T``; ``need = k - sum(gt)`` (``>= 1``); the lane's slot in id
+       order is ``#gt up to it + min(#eq up to it, need) - 1``, both from one packed cumsum; the
+       selected lanes are ``gt | (eq & #eq up to it <= need)``: exactly k, ties at ``T`` to the lower
+       ids.
+    3. Slot s's key and id by a masked sum over the lanes (``[rows, slots, lanes]``), each slot's rank
+       among the k by a ``[slots, slots]`` comparison (key descending, id ascending), and ids placed
+       by rank with another masked sum.
+    """
+    bb = ordered.shape[0]
+    slots = slot.shape[1]
+    sign = jnp.int32(PAD_KEY)
+    field = max(experts.bit_length(), 1)
+    per_word = 31 // field
+    fmask = jnp.int32((1 << field) - 1)
+    prefix = jnp.zeros((bb, 1), jnp.int32)  # P in the unsigned domain, as int32 bits
+    for shift, width in _digit_steps(digit_bits):
+        n = (1 << width) - 1  # candidate digits 1..n
+        words = next_power_of_2(-(-n // per_word))  # Triton's tensors: power-of-two sizes
+        fields = -(-n // words)
+        if words == 1:
+            word = None
+            for j in range(n):
+                cand = (prefix | jnp.int32(_as_int32((j + 1) << shift))) ^ sign  # signed order
+                hit = (ordered >= cand).astype(jnp.int32)
+                word = hit if word is None else word + (hit << (j * field))
+            total = jnp.sum(word, axis=1, keepdims=True)  # [rows, 1]
+        else:
+            # All words in one [rows, words, lanes] reduction: one cross-warp round a step.
+            w_iota = lax.broadcasted_iota(jnp.int32, (1, words, 1), 1)
+            word = None
+            for j in range(fields):
+                d = w_iota * fields + (j + 1)
+                cand = (prefix[:, :, None] | (d << shift)) ^ sign
+                cand = jnp.where(d <= n, cand, jnp.int32(2**31 - 1))  # past n: counts nothing
+                hit = (ordered[:, None, :] >= cand).astype(jnp.int32)
+                word = hit if word is None else word + (hit << (j * field))
+            total = jnp.sum(word, axis=2)  # [rows, words]
+        digit = None
+        for j in range(fields):
+            ok = (((total >> (j * field)) & fmask) >= k).astype(jnp.int32)
+            if words > 1:
+                ok = jnp.sum(ok, axis=1, keepdims=True)
+            digit = ok if digit is None else digit + ok  # counts fall as d rises
+        prefix = prefix | (digit << shift) if shift else prefix | digit
+    threshold = prefix ^ sign
+    gt = (ordered > threshold).astype(jnp.int32)
+    eq = (ordered == threshold).astype(jnp.int32)
+    need = k - jnp.sum(gt, axis=1, keepdims=True)
+    both = lax.cumsum(gt | (eq << 16), axis=1)  # counts <= 4096 < 2**16: two fields
+    eq_upto = both >> 16
+    selected = (gt == 1) | ((eq == 1) & (eq_upto <= need))
+    pos = (both & jnp.int32(0xFFFF)) + jnp.minimum(eq_upto, need) - 1
+    where_slot = jnp.where(selected, pos, jnp.int32(-1))
+    slot3 = slot[:, :, None]  # [1, slots, 1]
+    if compact_loop:
+        # One [rows, lanes] masked sum per slot: no [rows, slots, lanes] tensor (one warp's registers).
+        key_s = jnp.zeros((bb, slots), jnp.int32)
+        id_s = jnp.zeros((bb, slots), jnp.int32)
+        for s in range(k):
+            at = where_slot == s
+            key_s = jnp.where(slot == s, jnp.sum(jnp.where(at, ordered, 0), axis=1, keepdims=True), key_s)
+            id_s = jnp.where(slot == s, jnp.sum(jnp.where(at, lane, 0), axis=1, keepdims=True), id_s)
+    else:
+        at = where_slot[:, None, :] == slot3  # [rows, slots, lanes]
+        key_s = jnp.sum(jnp.where(at, ordered[:, None, :], 0), axis=2)  # [rows, slots]
+        id_s = jnp.sum(jnp.where(at, lane[:, None, :], 0), axis=2)
+    # rank_s = #t < k with (key_t, -id_t) > (key_s, -id_s)
+    key_t, id_t = key_s[:, None, :], id_s[:, None, :]
+    key_u, id_u = key_s[:, :, None], id_s[:, :, None]
+    beats = (key_t > key_u) | ((key_t == key_u) & (id_t < id_u))
+    if slots != k:
+        beats = beats & (slot[:, None, :] < k)
+    rank = jnp.sum(beats.astype(jnp.int32), axis=2)  # [rows, slots]
+    if slots != k:
+        rank = jnp.where(slot < k, rank, jnp.int32(slots))  # padding slots placed nowhere
+    placed = rank[:, None, :] == slot3  # [rows, r, s]
+    return jnp.sum(jnp.where(placed, id_s[:, None, :], 0), axis=2)
+
+
 def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes, slots, cfg,
-            block_rows, interpret):
+            block_rows, select, digit_bits, compact_loop, interpret):
     bb, k = block_rows, cfg.top_k
     first = pl.program_id(0) * bb
     rows = first + lax.broadcasted_iota(jnp.int32, (bb, 1), 0)
@@ -202,12 +338,10 @@ def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes
         ordered = jnp.where(lane_ok, ordered, jnp.int32(PAD_KEY))
 
     slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
-    ids = jnp.zeros((bb, slots), jnp.int32)
-    for r in range(k):
-        best = jnp.argmax(ordered, axis=1).astype(jnp.int32)[:, None]  # ties: the lower lane
-        ids = jnp.where(slot == r, best, ids)
-        if r + 1 < k:
-            ordered = jnp.where(lane == best, jnp.int32(PAD_KEY), ordered)
+    if select == "argmax":
+        ids = _select_argmax(ordered, lane, slot, k)
+    else:
+        ids = _select_radix(ordered, lane, slot, k, experts, digit_bits, compact_loop)
 
     slot_ok = slot < k
     out_mask = slot_ok if slots != k else None
@@ -300,6 +434,9 @@ def route(
         slots=next_power_of_2(cfg.top_k),
         cfg=cfg,
         block_rows=block_rows,
+        select=config.select,
+        digit_bits=config.digit_bits,
+        compact_loop=COMPACT_LOOP if COMPACT_LOOP is not None else config.num_warps == 1,
         interpret=interpret,
     )
     ids, weights = pl.pallas_call(
