@@ -29,11 +29,12 @@ from front_gemm_timing import READ_CEILING_TBS, cupti_us_per_call
 COPIES = 16
 """Logits copies rotated through (each call reads logits no earlier call just wrote or read)."""
 SWEEP = [rt.RouteConfig(1, 2), rt.RouteConfig(1, 4)] + [
-    rt.RouteConfig(1, warps, "radix", digit_bits) for warps, digit_bits in
-    ((1, 2), (1, 4), (2, 2), (2, 3), (2, 4), (4, 1), (4, 2), (4, 3), (4, 4))
+    rt.RouteConfig(1, warps, "radix", digit_bits, early_exit) for warps, digit_bits, early_exit in
+    ((1, 2, False), (2, 2, False), (2, 4, False), (4, 2, False), (4, 4, False),
+     (1, 2, True), (1, 4, True), (2, 2, True), (2, 4, True), (4, 1, True), (4, 2, True), (4, 4, True))
 ]
 """Argmax at 2 and 4 warps (the earlier sweep: blocks of rows, 1 and 8 warps never won) and the radix
-select over warps and digit widths; one row a program."""
+select over warps, digit widths and early exit; one row a program."""
 TARGET_US = {1: 3.0, 8: 3.0, 16: 3.0, 32: 3.0, 64: 3.0, 256: 5.0}
 """The issue's targets per B (none set at B=128)."""
 

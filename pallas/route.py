@@ -23,7 +23,18 @@ pairs keeping the lower index on equal values: that is rank ``r``'s expert, exac
 (key descending, id ascending), with no sort, no threshold and no compaction. The chosen lane is set
 to ``INT32_MIN`` before the next round; since ``E >= top_k`` real lanes sit above ``INT32_MIN``, every
 round picks a new real expert: ``top_k`` distinct ids in ``[0, E)`` for any input, an all-NaN row
-included. The weights gather the chosen experts' logits back (``top_k`` loads per row, from L1/L2),
+included.
+
+``RouteConfig.select="radix"`` replaces the ``top_k`` dependent (value, index) rounds by cheap integer
+sums (``_select_radix``): ``T``, the ``top_k``-th largest key, MSB-first, ``digit_bits`` bits a step
+(``2 ** digit_bits - 1`` counts ``key >= candidate`` a step, packed as bit fields of one int32 sum, or
+of one ``[rows, words, lanes]`` sum when they need several words); then ``key > T`` plus the lowest-id
+``key == T`` lanes up to ``top_k`` (one packed cumsum gives each selected lane its slot in id order),
+their keys and ids compacted by masked sums over the lanes, ranked by a ``[top_k, top_k]``
+comparison (key descending, id ascending) and placed by rank. Exactly ``top_k`` lanes, ties to the
+lower ids, for any input: the same ids as argmax. With one warp the compaction is a sum per slot
+(no ``[rows, slots, lanes]`` tensor, which would spill); with more, one 3-D sum (one cross-warp
+round). The weights gather the chosen experts' logits back (``top_k`` loads per row, from L1/L2),
 recompute their sigmoids, sum them as the SPEC's pairwise tree over the ``slots`` lanes (``top_k``
 padded to a power of two with zeros) and divide.
 
@@ -92,12 +103,16 @@ class RouteConfig:
         by an MSB-first radix select, then compaction and a ``[K, K]`` ranking).
       digit_bits: bits the radix select decides per step (1 to 4): ``2 ** digit_bits - 1``
         independent counts a step, ``ceil(32 / digit_bits)`` dependent steps. Unused by argmax.
+      early_exit: radix steps in a loop that stops once ``count(key >= prefix) == top_k`` in every
+        row of the block (those keys are the top k; no need to resolve ``T`` further): data-dependent
+        time, fewer steps on rows without a tie at the cut. Needs ``digit_bits`` 1, 2 or 4.
     """
 
     block_rows: int
     num_warps: int
     select: str = "argmax"
     digit_bits: int = 2
+    early_exit: bool = False
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps"):
@@ -109,11 +124,13 @@ class RouteConfig:
         if (not isinstance(self.digit_bits, int) or isinstance(self.digit_bits, bool)
                 or not 1 <= self.digit_bits <= 4):
             raise ValueError(f"RouteConfig.digit_bits must be 1, 2, 3 or 4, got {self.digit_bits!r}")
+        if self.early_exit and (self.select != "radix" or 32 % self.digit_bits):
+            raise ValueError("RouteConfig.early_exit needs select='radix' and digit_bits 1, 2 or 4")
 
     @property
     def name(self) -> str:
         """Short label, as the sweep prints it: ``r1w4`` (argmax) or ``r1w4x2`` (radix, 2-bit digits)."""
-        tail = "" if self.select == "argmax" else f"x{self.digit_bits}"
+        tail = "" if self.select == "argmax" else f"x{self.digit_bits}" + "e" * self.early_exit
         return f"r{self.block_rows}w{self.num_warps}{tail}"
 
 
@@ -214,7 +231,7 @@ def _digit_steps(digit_bits: int) -> list[tuple[int, int]]:
     return steps
 
 
-def _select_radix(ordered, lane, slot, k, experts, digit_bits, compact_loop):
+def _select_radix(ordered, lane, slot, k, experts, digit_bits, compact_loop, early_exit):
     """Exact top-k by radix select, compaction and ranking; no sort, gather or argmax.
 
     1. ``T``, the k-th largest key, MSB-first in the unsigned domain ``u = key ^ INT32_MIN``: the
@@ -238,38 +255,80 @@ def _select_radix(ordered, lane, slot, k, experts, digit_bits, compact_loop):
     per_word = 31 // field
     fmask = jnp.int32((1 << field) - 1)
     prefix = jnp.zeros((bb, 1), jnp.int32)  # P in the unsigned domain, as int32 bits
-    for shift, width in _digit_steps(digit_bits):
+
+    def counts_of(prefix, shift, width):
+        """(count, d) pairs: count = count(u >= P | d << shift), ``[rows, m]`` int32 beside its digits
+        d ``[1, m]`` (d past ``2**width - 1`` count 0), covering d = 1 .. 2**width - 1; shift may be
+        traced."""
         n = (1 << width) - 1  # candidate digits 1..n
         words = next_power_of_2(-(-n // per_word))  # Triton's tensors: power-of-two sizes
         fields = -(-n // words)
         if words == 1:
             word = None
             for j in range(n):
-                cand = (prefix | jnp.int32(_as_int32((j + 1) << shift))) ^ sign  # signed order
+                cand = (prefix | (jnp.int32(j + 1) << shift)) ^ sign  # back to signed order
                 hit = (ordered >= cand).astype(jnp.int32)
                 word = hit if word is None else word + (hit << (j * field))
             total = jnp.sum(word, axis=1, keepdims=True)  # [rows, 1]
-        else:
-            # All words in one [rows, words, lanes] reduction: one cross-warp round a step.
-            w_iota = lax.broadcasted_iota(jnp.int32, (1, words, 1), 1)
-            word = None
-            for j in range(fields):
-                d = w_iota * fields + (j + 1)
-                cand = (prefix[:, :, None] | (d << shift)) ^ sign
-                cand = jnp.where(d <= n, cand, jnp.int32(2**31 - 1))  # past n: counts nothing
-                hit = (ordered[:, None, :] >= cand).astype(jnp.int32)
-                word = hit if word is None else word + (hit << (j * field))
-            total = jnp.sum(word, axis=2)  # [rows, words]
-        digit = None
+            return [((total >> (j * field)) & fmask, jnp.full((1, 1), j + 1, jnp.int32))
+                    for j in range(n)]
+        # All words in one [rows, words, lanes] reduction: one cross-warp round a step.
+        w_iota = lax.broadcasted_iota(jnp.int32, (1, words, 1), 1)
+        word = None
         for j in range(fields):
-            ok = (((total >> (j * field)) & fmask) >= k).astype(jnp.int32)
-            if words > 1:
+            d = w_iota * fields + (j + 1)
+            cand = (prefix[:, :, None] | (d << shift)) ^ sign
+            cand = jnp.where(d <= n, cand, jnp.int32(2**31 - 1))  # past n: counts nothing
+            hit = (ordered[:, None, :] >= cand).astype(jnp.int32)
+            word = hit if word is None else word + (hit << (j * field))
+        total = jnp.sum(word, axis=2)  # [rows, words]
+        w_iota = lax.broadcasted_iota(jnp.int32, (1, words), 1)
+        return [((total >> (j * field)) & fmask, w_iota * fields + (j + 1)) for j in range(fields)]
+
+    def digit_of(counts):
+        digit = None
+        for c, _ in counts:  # counts fall as d rises: the largest d with count >= k is #(count >= k)
+            ok = (c >= k).astype(jnp.int32)
+            if ok.shape[1] > 1:
                 ok = jnp.sum(ok, axis=1, keepdims=True)
-            digit = ok if digit is None else digit + ok  # counts fall as d rises
-        prefix = prefix | (digit << shift) if shift else prefix | digit
+            digit = ok if digit is None else digit + ok
+        return digit
+
+    if early_exit:
+        # cnt = count(u >= P); once it is k in a row, the keys >= P are that row's top k.
+        def body(carry):
+            i, prefix, cnt = carry
+            shift = jnp.int32(32 - digit_bits) - i * digit_bits
+            counts = counts_of(prefix, shift, digit_bits)
+            digit = digit_of(counts)
+            new_cnt = jnp.where(digit == 0, cnt, 0)
+            for c, d in counts:
+                picked = jnp.where(d == digit, c, 0)
+                if picked.shape[1] > 1:
+                    picked = jnp.sum(picked, axis=1, keepdims=True)
+                new_cnt = new_cnt + picked
+            return i + 1, prefix | (digit << shift), new_cnt
+
+        def cond(carry):
+            i, _, cnt = carry
+            open_rows = jnp.sum((cnt != k).astype(jnp.int32), axis=1)  # [rows]
+            return (i < 32 // digit_bits) & (jnp.sum(open_rows, axis=0) > 0)
+
+        cnt0 = jnp.full((bb, 1), ordered.shape[1], jnp.int32)  # u >= 0: every lane
+        _, prefix, cnt = lax.while_loop(cond, body, (jnp.int32(0), prefix, cnt0))
+        done = cnt == k
+    else:
+        for shift, width in _digit_steps(digit_bits):
+            digit = digit_of(counts_of(prefix, shift, width))
+            prefix = prefix | (digit << shift) if shift else prefix | digit
+        done = None
     threshold = prefix ^ sign
-    gt = (ordered > threshold).astype(jnp.int32)
-    eq = (ordered == threshold).astype(jnp.int32)
+    if done is None:
+        gt = (ordered > threshold).astype(jnp.int32)
+        eq = (ordered == threshold).astype(jnp.int32)
+    else:  # done rows: exactly the keys >= P; the others resolved T = P to the last bit
+        gt = jnp.where(done, ordered >= threshold, ordered > threshold).astype(jnp.int32)
+        eq = ((ordered == threshold) & ~done).astype(jnp.int32)
     need = k - jnp.sum(gt, axis=1, keepdims=True)
     both = lax.cumsum(gt | (eq << 16), axis=1)  # counts <= 4096 < 2**16: two fields
     eq_upto = both >> 16
@@ -303,7 +362,7 @@ def _select_radix(ordered, lane, slot, k, experts, digit_bits, compact_loop):
 
 
 def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes, slots, cfg,
-            block_rows, select, digit_bits, compact_loop, interpret):
+            block_rows, select, digit_bits, compact_loop, early_exit, interpret):
     bb, k = block_rows, cfg.top_k
     first = pl.program_id(0) * bb
     rows = first + lax.broadcasted_iota(jnp.int32, (bb, 1), 0)
@@ -341,7 +400,7 @@ def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes
     if select == "argmax":
         ids = _select_argmax(ordered, lane, slot, k)
     else:
-        ids = _select_radix(ordered, lane, slot, k, experts, digit_bits, compact_loop)
+        ids = _select_radix(ordered, lane, slot, k, experts, digit_bits, compact_loop, early_exit)
 
     slot_ok = slot < k
     out_mask = slot_ok if slots != k else None
@@ -437,6 +496,7 @@ def route(
         select=config.select,
         digit_bits=config.digit_bits,
         compact_loop=COMPACT_LOOP if COMPACT_LOOP is not None else config.num_warps == 1,
+        early_exit=config.early_exit,
         interpret=interpret,
     )
     ids, weights = pl.pallas_call(

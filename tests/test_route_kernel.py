@@ -42,6 +42,8 @@ SELECT_CONFIGS = {
     "argmax": rt.RouteConfig(1, 4),
     # 3-bit digits: uneven steps (ten of 3 bits, then 2); one warp: the per-slot compaction.
     "radix": rt.RouteConfig(1, 1, "radix", 3),
+    # The stepping loop that stops once the prefix holds exactly k keys; the 3-D compaction.
+    "radix_early": rt.RouteConfig(1, 4, "radix", 4, early_exit=True),
 }
 """Schedule of each selection for the edge cases."""
 
@@ -228,6 +230,11 @@ RANDOM_SCHEDULES = {
     # Digits of 1 to 4 bits (4 bits: several count words in one 3-D reduction), both compactions.
     "radix": {1: rt.RouteConfig(1, 1, "radix", 2), 3: rt.RouteConfig(1, 4, "radix", 4),
               37: rt.RouteConfig(16, 4, "radix", 1), 255: rt.RouteConfig(16, 1, "radix", 3)},
+    # Early exit, a block's rows stepping until the last of them is done.
+    "radix_early": {
+        1: rt.RouteConfig(1, 1, "radix", 2, True), 3: rt.RouteConfig(1, 4, "radix", 4, True),
+        37: rt.RouteConfig(16, 4, "radix", 1, True), 255: rt.RouteConfig(16, 2, "radix", 2, True),
+    },
 }
 
 
@@ -259,8 +266,11 @@ def adversarial_rows(rng, rows, experts):
 
 
 @pytest.mark.parametrize("name", ["k3", "e1024_top32"])
-@pytest.mark.parametrize("config", [rt.RouteConfig(64, 4), rt.RouteConfig(64, 4, "radix", 2)],
-                         ids=["argmax", "radix"])
+@pytest.mark.parametrize(
+    "config",
+    [rt.RouteConfig(64, 4), rt.RouteConfig(64, 4, "radix", 2), rt.RouteConfig(64, 4, "radix", 4, True)],
+    ids=["argmax", "radix", "radix_early"],
+)
 def test_property_thousands_of_adversarial_rows(name, config):
     """A seeded loop: 2048 rows per config in blocks of 256, each block with its own bias."""
     cfg = CONFIGS[name]
@@ -295,8 +305,9 @@ def test_registered_behind_route_and_moe_front():
 )
 @pytest.mark.parametrize(
     "config",
-    [None, rt.RouteConfig(1, 4, "radix", 4), rt.RouteConfig(1, 1, "radix", 2)],
-    ids=["table", "radix_w4x4", "radix_w1x2"],
+    [None, rt.RouteConfig(1, 4, "radix", 4), rt.RouteConfig(1, 1, "radix", 2),
+     rt.RouteConfig(1, 2, "radix", 4, True)],
+    ids=["table", "radix_w4x4", "radix_w1x2", "radix_w2x4e"],
 )
 def test_lowers_for_h200_as_one_kernel(name, batches, config):
     """One Triton kernel per call; no sort, top_k, gather or division left to XLA. Both selections,
@@ -326,7 +337,10 @@ def test_heuristic_and_config_errors():
         rt.RouteConfig(1, 4, "sort")
     with pytest.raises(ValueError, match="RouteConfig.digit_bits must be 1, 2, 3 or 4"):
         rt.RouteConfig(1, 4, "radix", 5)
+    with pytest.raises(ValueError, match="RouteConfig.early_exit needs select='radix'"):
+        rt.RouteConfig(1, 4, "radix", 3, True)
     assert rt.RouteConfig(1, 4).name == "r1w4" and rt.RouteConfig(2, 1, "radix", 3).name == "r2w1x3"
+    assert rt.RouteConfig(1, 4, "radix", 2, True).name == "r1w4x2e"
     bias = jnp.zeros((K3.experts,), jnp.float32)
     with pytest.raises(ValueError, match=r"logits must be \[B, experts=896\] float32"):
         rt.route(jnp.zeros((2, 64), jnp.float32), bias, K3)
@@ -368,15 +382,18 @@ def edge_rows(experts):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "config, rows",
-    [(None, GPU_ROWS), (rt.RouteConfig(1, 4, "radix", 2), GPU_ROWS // 4),
-     (rt.RouteConfig(1, 1, "radix", 4), GPU_ROWS // 4), (rt.RouteConfig(1, 2, "radix", 3), GPU_ROWS // 4)],
-    ids=["table", "radix_w4x2", "radix_w1x4", "radix_w2x3"],
+    [(None, GPU_ROWS), (rt.RouteConfig(1, 4, "radix", 2), GPU_ROWS // 8),
+     (rt.RouteConfig(1, 1, "radix", 4), GPU_ROWS // 8), (rt.RouteConfig(1, 2, "radix", 3), GPU_ROWS // 8),
+     (rt.RouteConfig(1, 4, "radix", 2, True), GPU_ROWS // 8),
+     (rt.RouteConfig(1, 1, "radix", 4, True), GPU_ROWS // 8)],
+    ids=["table", "radix_w4x2", "radix_w1x4", "radix_w2x3", "radix_w4x2e", "radix_w1x4e"],
 )
 def test_gpu_matches_xla_reference(config, rows):
-    """100,000 random rows (25,000 for the radix schedules beside the table's) and the edge cases
-    on the GPU, against the XLA reference on the same device: ids equal wherever the reference's sorted keys down to the 17th are more than 8 ulps
-    apart (the chosen set wherever the 16th and 17th are), ties to the lower id, weights within one
-    bf16 ulp where the ids agree, never a NaN weight or a repeated id.
+    """100,000 random rows (12,500 for each radix schedule beside the table's) and the edge cases
+    on the GPU, against the XLA reference on the same device: ids equal wherever the reference's
+    sorted keys down to the 17th are more than 8 ulps apart (the chosen set wherever the 16th and
+    17th are), ties to the lower id, weights within one bf16 ulp where the ids agree, never a NaN
+    weight or a repeated id.
 
     Bit-equal keys count as near ties in random rows: the kernel's sigmoid (libdevice exp, a
     correctly rounded division) and XLA's differ in the last bits, so two keys equal under XLA's
