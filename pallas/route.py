@@ -65,6 +65,12 @@ of issue #3's targets (3.0 us up to B=64, 5.0 at 256, 4x). The time is the chain
 (value, index) reductions, each one a sequential in-thread combine, warp shuffles and a shared-memory
 round across warps; a selection with fewer dependent rounds (a threshold by radix select over
 cheap integer sums, then ranking the few candidates) is the way to the targets.
+
+The radix selection (``select="radix"``) is not measured on a GPU yet: it passes interpret mode on
+every edge case and the property loop, lowers for an H200, and compiles with triton 3.6 for sm_90
+(no spills from 2 warps up; with one warp, after the per-slot compaction). Its early exit makes the
+time data-dependent: a row with a tie at the k-th key runs all ``32 / digit_bits`` steps. The table
+stays on argmax until a sweep (benchmarks/bench_route.py --sweep covers both) shows otherwise.
 """
 
 from __future__ import annotations
