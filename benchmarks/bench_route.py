@@ -28,13 +28,8 @@ from front_gemm_timing import READ_CEILING_TBS, cupti_us_per_call
 
 COPIES = 16
 """Logits copies rotated through (each call reads logits no earlier call just wrote or read)."""
-SWEEP = [rt.RouteConfig(1, 2), rt.RouteConfig(1, 4)] + [
-    rt.RouteConfig(1, warps, "radix", digit_bits, early_exit) for warps, digit_bits, early_exit in
-    ((1, 2, False), (2, 2, False), (2, 4, False), (4, 2, False), (4, 4, False),
-     (1, 2, True), (1, 4, True), (2, 2, True), (2, 4, True), (4, 1, True), (4, 2, True), (4, 4, True))
-]
-"""Argmax at 2 and 4 warps (the earlier sweep: blocks of rows, 1 and 8 warps never won) and the radix
-select over warps, digit widths and early exit; one row a program."""
+SWEEP = [rt.RouteConfig(rows, warps) for rows, warps in
+         ((1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 4), (4, 8))]
 TARGET_US = {1: 3.0, 8: 3.0, 16: 3.0, 32: 3.0, 64: 3.0, 256: 5.0}
 """The issue's targets per B (none set at B=128)."""
 
@@ -63,19 +58,19 @@ def main() -> None:
     }
     if args.sweep:
         for c in SWEEP:
-            variants[c.name] = (
+            variants[f"r{c.block_rows}w{c.num_warps}"] = (
                 lambda c: lambda batch: (lambda b, l: rt.route(l, b, cfg, config=c))
             )(c)
+    keys = [(batch, name) for batch in batches for name in variants]
+
     def compile_one(key):
         batch, name = key
         return jax.jit(variants[name](batch)).lower(bias, logits[batch][0]).compile()
 
-    compiled, times, kernels = {}, {}, {}
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        compiled = dict(zip(keys, pool.map(compile_one, keys)))
+    times, kernels = {}, {}
     for batch in batches:
-        # Compiled a batch at a time, so that a run cut short still prints the batches it timed.
-        keys = [(batch, name) for name in variants]
-        with concurrent.futures.ThreadPoolExecutor(12) as pool:
-            compiled.update(zip(keys, pool.map(compile_one, keys)))
         # The XLA reference and the kernel back to back: a drift of the shared machine hits both.
         for name in variants:
             times[batch, name], kernels[batch, name] = cupti_us_per_call(
@@ -113,10 +108,8 @@ def main() -> None:
             json.dump(sweep, f, indent=1)
         print(f"\nsweep (us): {' '.join(f'{n:>7}' for n in variants if n not in ('pallas', 'xla'))}")
         for batch in batches:
-            swept = [n for n in variants if n not in ("pallas", "xla")]
-            cells = " ".join(f"{times[batch, n]:>7.2f}" for n in swept)
-            best = min(swept, key=lambda n: times[batch, n])
-            print(f"  B={batch:>3}    {cells}   best {best}")
+            cells = " ".join(f"{times[batch, n]:>7.2f}" for n in variants if n not in ("pallas", "xla"))
+            print(f"  B={batch:>3}    {cells}")
 
     configs = {b: rt.pick_config(b, cfg.experts, cfg.top_k) for b in batches}
     print(f"\nroute, K3 (896 experts, top-16), {device.device_kind}, {time.strftime('%Y-%m-%d')}, "
@@ -130,7 +123,7 @@ def main() -> None:
         if target is None:
             met = "yes" if x / k >= 4 else "NO"
         print(f"{batch:>4} {k:>10.2f} {x:>8.2f} {x / k:>10.2f} {target or '-':>9} {met:>4} "
-              f"{agree[batch]:>8.3f}  {configs[batch].name} ({configs[batch].select})")
+              f"{agree[batch]:>8.3f}  rows={configs[batch].block_rows} warps={configs[batch].num_warps}")
 
 
 if __name__ == "__main__":

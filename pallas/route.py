@@ -23,18 +23,7 @@ pairs keeping the lower index on equal values: that is rank ``r``'s expert, exac
 (key descending, id ascending), with no sort, no threshold and no compaction. The chosen lane is set
 to ``INT32_MIN`` before the next round; since ``E >= top_k`` real lanes sit above ``INT32_MIN``, every
 round picks a new real expert: ``top_k`` distinct ids in ``[0, E)`` for any input, an all-NaN row
-included.
-
-``RouteConfig.select="radix"`` replaces the ``top_k`` dependent (value, index) rounds by cheap integer
-sums (``_select_radix``): ``T``, the ``top_k``-th largest key, MSB-first, ``digit_bits`` bits a step
-(``2 ** digit_bits - 1`` counts ``key >= candidate`` a step, packed as bit fields of one int32 sum, or
-of one ``[rows, words, lanes]`` sum when they need several words); then ``key > T`` plus the lowest-id
-``key == T`` lanes up to ``top_k`` (one packed cumsum gives each selected lane its slot in id order),
-their keys and ids compacted by masked sums over the lanes, ranked by a ``[top_k, top_k]``
-comparison (key descending, id ascending) and placed by rank. Exactly ``top_k`` lanes, ties to the
-lower ids, for any input: the same ids as argmax. With one warp the compaction is a sum per slot
-(no ``[rows, slots, lanes]`` tensor, which would spill); with more, one 3-D sum (one cross-warp
-round). The weights gather the chosen experts' logits back (``top_k`` loads per row, from L1/L2),
+included. The weights gather the chosen experts' logits back (``top_k`` loads per row, from L1/L2),
 recompute their sigmoids, sum them as the SPEC's pairwise tree over the ``slots`` lanes (``top_k``
 padded to a power of two with zeros) and divide.
 
@@ -65,12 +54,6 @@ of issue #3's targets (3.0 us up to B=64, 5.0 at 256, 4x). The time is the chain
 (value, index) reductions, each one a sequential in-thread combine, warp shuffles and a shared-memory
 round across warps; a selection with fewer dependent rounds (a threshold by radix select over
 cheap integer sums, then ranking the few candidates) is the way to the targets.
-
-The radix selection (``select="radix"``) is not measured on a GPU yet: it passes interpret mode on
-every edge case and the property loop, lowers for an H200, and compiles with triton 3.6 for sm_90
-(no spills from 2 warps up; with one warp, after the per-slot compaction). Its early exit makes the
-time data-dependent: a row with a tie at the k-th key runs all ``32 / digit_bits`` steps. The table
-stays on argmax until a sweep (benchmarks/bench_route.py --sweep covers both) shows otherwise.
 """
 
 from __future__ import annotations
@@ -93,9 +76,6 @@ NAN_KEY = -(2**31) + 1
 """Ordered int32 key of a NaN: below every number (no float maps here)."""
 PAD_KEY = -(2**31)
 """Key of a padding lane and of an expert already chosen: below NaN."""
-COMPACT_LOOP = None
-SELECTS = ("argmax", "radix")
-"""Selections the kernel implements (``RouteConfig.select``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,39 +85,16 @@ class RouteConfig:
     Attributes:
       block_rows: rows per program, a power of two.
       num_warps: Triton warps per program, a power of two.
-      select: ``"argmax"`` (``top_k`` dependent argmax rounds) or ``"radix"`` (the K-th largest key
-        by an MSB-first radix select, then compaction and a ``[K, K]`` ranking).
-      digit_bits: bits the radix select decides per step (1 to 4): ``2 ** digit_bits - 1``
-        independent counts a step, ``ceil(32 / digit_bits)`` dependent steps. Unused by argmax.
-      early_exit: radix steps in a loop that stops once ``count(key >= prefix) == top_k`` in every
-        row of the block (those keys are the top k; no need to resolve ``T`` further): data-dependent
-        time, fewer steps on rows without a tie at the cut. Needs ``digit_bits`` 1, 2 or 4.
     """
 
     block_rows: int
     num_warps: int
-    select: str = "argmax"
-    digit_bits: int = 2
-    early_exit: bool = False
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
                 raise ValueError(f"RouteConfig.{name} must be a power of two >= 1, got {value!r}")
-        if self.select not in SELECTS:
-            raise ValueError(f"RouteConfig.select must be one of {SELECTS}, got {self.select!r}")
-        if (not isinstance(self.digit_bits, int) or isinstance(self.digit_bits, bool)
-                or not 1 <= self.digit_bits <= 4):
-            raise ValueError(f"RouteConfig.digit_bits must be 1, 2, 3 or 4, got {self.digit_bits!r}")
-        if self.early_exit and (self.select != "radix" or 32 % self.digit_bits):
-            raise ValueError("RouteConfig.early_exit needs select='radix' and digit_bits 1, 2 or 4")
-
-    @property
-    def name(self) -> str:
-        """Short label, as the sweep prints it: ``r1w4`` (argmax) or ``r1w4x2`` (radix, 2-bit digits)."""
-        tail = "" if self.select == "argmax" else f"x{self.digit_bits}" + "e" * self.early_exit
-        return f"r{self.block_rows}w{self.num_warps}{tail}"
 
 
 def next_power_of_2(n: int) -> int:
@@ -209,166 +166,8 @@ def _tree_sum(w):
     return w
 
 
-def _select_argmax(ordered, lane, slot, k):
-    """``top_k`` argmax rounds: rank r's expert is round r's argmax (ties to the lower lane), then
-    masked to ``PAD_KEY``. Returns ids ``[rows, slots]`` (slots past ``k`` zero)."""
-    ids = jnp.zeros((ordered.shape[0], slot.shape[1]), jnp.int32)
-    for r in range(k):
-        best = jnp.argmax(ordered, axis=1).astype(jnp.int32)[:, None]  # ties: the lower lane
-        ids = jnp.where(slot == r, best, ids)
-        if r + 1 < k:
-            ordered = jnp.where(lane == best, jnp.int32(PAD_KEY), ordered)
-    return ids
-
-
-def _as_int32(value: int) -> int:
-    """A 32-bit pattern as the int32 of the same bits."""
-    value &= 0xFFFFFFFF
-    return value - (1 << 32) if value >= 1 << 31 else value
-
-
-def _digit_steps(digit_bits: int) -> list[tuple[int, int]]:
-    """(shift, width) of each radix step, most significant first, covering bits 31..0."""
-    steps, top = [], 32
-    while top > 0:
-        width = min(digit_bits, top)
-        steps.append((top - width, width))
-        top -= width
-    return steps
-
-
-def _select_radix(ordered, lane, slot, k, experts, digit_bits, compact_loop, early_exit):
-    """Exact top-k by radix select, compaction and ranking; no sort, gather or argmax.
-
-    1. ``T``, the k-th largest key, MSB-first in the unsigned domain ``u = key ^ INT32_MIN``: the
-       prefix ``P`` (bits decided so far, the rest zero) always has ``count(u >= P) >= k``; a step
-       counts ``u >= P | d << shift`` for every digit ``d >= 1`` at once and keeps the largest ``d``
-       whose count is still ``>= k``. Counts are at most ``experts`` (padding lanes are ``u = 0``,
-       below every candidate, which is ``>= 1``), so several pack into one int32 sum, fields of
-       ``experts.bit_length()`` bits: one reduction a step for 2-bit digits at 896 experts.
-    2. ``gt = key > T``, ``eq = key == T``; ``need = k - sum(gt)`` (``>= 1``); the lane's slot in id
-       order is ``#gt up to it + min(#eq up to it, need) - 1``, both from one packed cumsum; the
-       selected lanes are ``gt | (eq & #eq up to it <= need)``: exactly k, ties at ``T`` to the lower
-       ids.
-    3. Slot s's key and id by a masked sum over the lanes (``[rows, slots, lanes]``), each slot's rank
-       among the k by a ``[slots, slots]`` comparison (key descending, id ascending), and ids placed
-       by rank with another masked sum.
-    """
-    bb = ordered.shape[0]
-    slots = slot.shape[1]
-    sign = jnp.int32(PAD_KEY)
-    field = max(experts.bit_length(), 1)
-    per_word = 31 // field
-    fmask = jnp.int32((1 << field) - 1)
-    prefix = jnp.zeros((bb, 1), jnp.int32)  # P in the unsigned domain, as int32 bits
-
-    def counts_of(prefix, shift, width):
-        """(count, d) pairs: count = count(u >= P | d << shift), ``[rows, m]`` int32 beside its digits
-        d ``[1, m]`` (d past ``2**width - 1`` count 0), covering d = 1 .. 2**width - 1; shift may be
-        traced."""
-        n = (1 << width) - 1  # candidate digits 1..n
-        words = next_power_of_2(-(-n // per_word))  # Triton's tensors: power-of-two sizes
-        fields = -(-n // words)
-        if words == 1:
-            word = None
-            for j in range(n):
-                cand = (prefix | (jnp.int32(j + 1) << shift)) ^ sign  # back to signed order
-                hit = (ordered >= cand).astype(jnp.int32)
-                word = hit if word is None else word + (hit << (j * field))
-            total = jnp.sum(word, axis=1, keepdims=True)  # [rows, 1]
-            return [((total >> (j * field)) & fmask, jnp.full((1, 1), j + 1, jnp.int32))
-                    for j in range(n)]
-        # All words in one [rows, words, lanes] reduction: one cross-warp round a step.
-        w_iota = lax.broadcasted_iota(jnp.int32, (1, words, 1), 1)
-        word = None
-        for j in range(fields):
-            d = w_iota * fields + (j + 1)
-            cand = (prefix[:, :, None] | (d << shift)) ^ sign
-            cand = jnp.where(d <= n, cand, jnp.int32(2**31 - 1))  # past n: counts nothing
-            hit = (ordered[:, None, :] >= cand).astype(jnp.int32)
-            word = hit if word is None else word + (hit << (j * field))
-        total = jnp.sum(word, axis=2)  # [rows, words]
-        w_iota = lax.broadcasted_iota(jnp.int32, (1, words), 1)
-        return [((total >> (j * field)) & fmask, w_iota * fields + (j + 1)) for j in range(fields)]
-
-    def digit_of(counts):
-        digit = None
-        for c, _ in counts:  # counts fall as d rises: the largest d with count >= k is #(count >= k)
-            ok = (c >= k).astype(jnp.int32)
-            if ok.shape[1] > 1:
-                ok = jnp.sum(ok, axis=1, keepdims=True)
-            digit = ok if digit is None else digit + ok
-        return digit
-
-    if early_exit:
-        # cnt = count(u >= P); once it is k in a row, the keys >= P are that row's top k.
-        def body(carry):
-            i, prefix, cnt = carry
-            shift = jnp.int32(32 - digit_bits) - i * digit_bits
-            counts = counts_of(prefix, shift, digit_bits)
-            digit = digit_of(counts)
-            new_cnt = jnp.where(digit == 0, cnt, 0)
-            for c, d in counts:
-                picked = jnp.where(d == digit, c, 0)
-                if picked.shape[1] > 1:
-                    picked = jnp.sum(picked, axis=1, keepdims=True)
-                new_cnt = new_cnt + picked
-            return i + 1, prefix | (digit << shift), new_cnt
-
-        def cond(carry):
-            i, _, cnt = carry
-            open_rows = jnp.sum((cnt != k).astype(jnp.int32), axis=1)  # [rows]
-            return (i < 32 // digit_bits) & (jnp.sum(open_rows, axis=0) > 0)
-
-        cnt0 = jnp.full((bb, 1), ordered.shape[1], jnp.int32)  # u >= 0: every lane
-        _, prefix, cnt = lax.while_loop(cond, body, (jnp.int32(0), prefix, cnt0))
-        done = cnt == k
-    else:
-        for shift, width in _digit_steps(digit_bits):
-            digit = digit_of(counts_of(prefix, shift, width))
-            prefix = prefix | (digit << shift) if shift else prefix | digit
-        done = None
-    threshold = prefix ^ sign
-    if done is None:
-        gt = (ordered > threshold).astype(jnp.int32)
-        eq = (ordered == threshold).astype(jnp.int32)
-    else:  # done rows: exactly the keys >= P; the others resolved T = P to the last bit
-        gt = jnp.where(done, ordered >= threshold, ordered > threshold).astype(jnp.int32)
-        eq = ((ordered == threshold) & ~done).astype(jnp.int32)
-    need = k - jnp.sum(gt, axis=1, keepdims=True)
-    both = lax.cumsum(gt | (eq << 16), axis=1)  # counts <= 4096 < 2**16: two fields
-    eq_upto = both >> 16
-    selected = (gt == 1) | ((eq == 1) & (eq_upto <= need))
-    pos = (both & jnp.int32(0xFFFF)) + jnp.minimum(eq_upto, need) - 1
-    where_slot = jnp.where(selected, pos, jnp.int32(-1))
-    slot3 = slot[:, :, None]  # [1, slots, 1]
-    if compact_loop:
-        # One [rows, lanes] masked sum per slot: no [rows, slots, lanes] tensor (one warp's registers).
-        key_s = jnp.zeros((bb, slots), jnp.int32)
-        id_s = jnp.zeros((bb, slots), jnp.int32)
-        for s in range(k):
-            at = where_slot == s
-            key_s = jnp.where(slot == s, jnp.sum(jnp.where(at, ordered, 0), axis=1, keepdims=True), key_s)
-            id_s = jnp.where(slot == s, jnp.sum(jnp.where(at, lane, 0), axis=1, keepdims=True), id_s)
-    else:
-        at = where_slot[:, None, :] == slot3  # [rows, slots, lanes]
-        key_s = jnp.sum(jnp.where(at, ordered[:, None, :], 0), axis=2)  # [rows, slots]
-        id_s = jnp.sum(jnp.where(at, lane[:, None, :], 0), axis=2)
-    # rank_s = #t < k with (key_t, -id_t) > (key_s, -id_s)
-    key_t, id_t = key_s[:, None, :], id_s[:, None, :]
-    key_u, id_u = key_s[:, :, None], id_s[:, :, None]
-    beats = (key_t > key_u) | ((key_t == key_u) & (id_t < id_u))
-    if slots != k:
-        beats = beats & (slot[:, None, :] < k)
-    rank = jnp.sum(beats.astype(jnp.int32), axis=2)  # [rows, slots]
-    if slots != k:
-        rank = jnp.where(slot < k, rank, jnp.int32(slots))  # padding slots placed nowhere
-    placed = rank[:, None, :] == slot3  # [rows, r, s]
-    return jnp.sum(jnp.where(placed, id_s[:, None, :], 0), axis=2)
-
-
 def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes, slots, cfg,
-            block_rows, select, digit_bits, compact_loop, early_exit, interpret):
+            block_rows, interpret):
     bb, k = block_rows, cfg.top_k
     first = pl.program_id(0) * bb
     rows = first + lax.broadcasted_iota(jnp.int32, (bb, 1), 0)
@@ -403,10 +202,12 @@ def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes
         ordered = jnp.where(lane_ok, ordered, jnp.int32(PAD_KEY))
 
     slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
-    if select == "argmax":
-        ids = _select_argmax(ordered, lane, slot, k)
-    else:
-        ids = _select_radix(ordered, lane, slot, k, experts, digit_bits, compact_loop, early_exit)
+    ids = jnp.zeros((bb, slots), jnp.int32)
+    for r in range(k):
+        best = jnp.argmax(ordered, axis=1).astype(jnp.int32)[:, None]  # ties: the lower lane
+        ids = jnp.where(slot == r, best, ids)
+        if r + 1 < k:
+            ordered = jnp.where(lane == best, jnp.int32(PAD_KEY), ordered)
 
     slot_ok = slot < k
     out_mask = slot_ok if slots != k else None
@@ -499,10 +300,6 @@ def route(
         slots=next_power_of_2(cfg.top_k),
         cfg=cfg,
         block_rows=block_rows,
-        select=config.select,
-        digit_bits=config.digit_bits,
-        compact_loop=COMPACT_LOOP if COMPACT_LOOP is not None else config.num_warps == 1,
-        early_exit=config.early_exit,
         interpret=interpret,
     )
     ids, weights = pl.pallas_call(
