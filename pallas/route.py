@@ -48,12 +48,14 @@ Cost per call:
 so the kernel is latency-bound, not bandwidth-bound: 3.7 KB a row is 0.8 ns of HBM time at 4.65 TB/s,
 while the ``top_k`` dependent reductions take microseconds. ``route_bytes`` gives the byte count.
 
-Measured (H200, CUPTI, 2026-12-03, benchmarks/results/): 4.48 us at B=1, 4.64 at B=64, 5.82 at
-B=256 with the table's schedules; 2.6-2.9x faster than the XLA reference route in the same run, short
+Measured (H200, CUPTI, 2026-12-03, benchmarks/RESULTS.md): 4.48 us at B=1, 4.64 at B=64, 5.82 at
+B=256 with the table's schedules; 2.6-3.0x faster than the XLA reference route in the same run, short
 of issue #3's targets (3.0 us up to B=64, 5.0 at 256, 4x). The time is the chain of ``top_k``
 (value, index) reductions, each one a sequential in-thread combine, warp shuffles and a shared-memory
-round across warps; a selection with fewer dependent rounds (a threshold by radix select over
-cheap integer sums, then ranking the few candidates) is the way to the targets.
+round across warps. A radix select (the ``top_k``-th key found MSB-first by packed integer counts,
+then the chosen lanes compacted by cumsum and masked sums and ranked by a ``[top_k, top_k]``
+comparison; commit 99a6d6f, reverted) was measured in the same run and was slower at every batch and
+schedule: 4.8-21.9 us, best 4.77 at B=1 with 4 warps, 2-bit digits and an early exit.
 """
 
 from __future__ import annotations
