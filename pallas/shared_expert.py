@@ -44,9 +44,9 @@ Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the two kernels' split_k, their pa
 so the arithmetic intensity is about B FLOP/byte: memory-bound for decode batches; the floor on an
 H200 is the weight bytes over the HBM read bandwidth (56.8 us at tp1, 7.1 us at tp8 at 4.65 TB/s).
 
-Measured on the H200 (2026-12-03, tuned table, CUPTI, weights rotated; bench_shared_expert.py): tp1
-B=1/8/64 70.9/71.0/88.2 us (3.7/3.7/3.0 TB/s) against XLA's 72.8/70.1/80.8; tp8 16.6/16.9/25.3 us
-against 14.5/14.7/19.2. At tp8 each kernel is short (gate/up 11.5 us over 22 MB, down 5.0 us over
+Measured on the H200 (2026-12-03, tuned table, CUPTI, weights rotated; benchmarks/RESULTS.md): tp1
+B=1/8/64 70.5/69.9/87.4 us (3.7/3.8/3.0 TB/s) against XLA's 71.5/69.2/87.6; tp8 16.5/17.0/25.2 us
+against 14.4/15.4/21.4. At tp8 (tuning run) each kernel is short (gate/up 11.5 us over 22 MB, down 5.0 us over
 11 MB at B=16): the split gate/up programs stream only 4 K steps each, so most of a program's time is
 its pipeline's fill, and the counters' zeroing kernel adds a launch. ``backends.AUTO_PREFERS_XLA``
 keeps XLA for ``"auto"``.
