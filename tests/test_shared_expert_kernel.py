@@ -184,8 +184,7 @@ def test_heuristic_config_divides_the_problem(hidden, batch):
 def test_pick_config_uses_the_table_on_h200():
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
     table = se.load_table(H200.device_kind)
-    if not table:
-        pytest.skip("no H200 table")
+    assert table, "pallas/tuning/h200_shared_expert.json is missing or empty (package data)"
     for tp in (1, 8):
         s_r = K3.with_tp(tp).shared_per_rank
         for batch in (1, 8, 64):
