@@ -56,7 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_front_jax import reference
-from moe_front_jax.pallas.streaming import (  # noqa: F401  (re-exported: the kernel's public names)
+from moe_front_jax.pallas.streaming import (
     MAX_BATCH,
     MIN_DOT,
     GemmConfig,
