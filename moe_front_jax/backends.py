@@ -40,17 +40,18 @@ KERNELS: dict[str, str] = {
     "front_gemm": "moe_front_jax.pallas.front_gemm:front_gemm",
     "front_gemm_plan": "moe_front_jax.pallas.front_gemm:front_gemm_plan",
     "route": "moe_front_jax.pallas.route:route",
+    "plan": "moe_front_jax.pallas.plan:plan",
     "shared_expert": "moe_front_jax.pallas.shared_expert:shared_expert",
 }
-PENDING: dict[str, str] = {
-    "plan": "issue #7 (the standalone MXFP8 plan kernel; front_gemm_plan writes the plan from the "
-    "front GEMM's epilogue)",
-}
+PENDING: dict[str, str] = {}
 
 # Stages whose kernel measured slower than the XLA reference on the H200 (benchmarks/RESULTS.md):
 # "auto" keeps the reference for them; "pallas" still runs the kernel. On 2026-12-03 the front GEMM was
 # slower than XLA's dot at 23 of 28 (tp, B), the shared expert level at tp1 and 10-15% slower at tp8.
-AUTO_PREFERS_XLA: frozenset[str] = frozenset({"front_gemm", "front_gemm_plan", "shared_expert"})
+# The standalone plan kernel stays behind XLA until benchmarks/bench_plan.py has timed it.
+AUTO_PREFERS_XLA: frozenset[str] = frozenset(
+    {"front_gemm", "front_gemm_plan", "plan", "shared_expert"}
+)
 
 
 def check_backend(backend: str) -> str:

@@ -169,8 +169,10 @@ def mxfp8_plan(latent: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array
     """
     rows, width = latent.shape
     blocks = latent.astype(jnp.float32).reshape(rows, width // block, block)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
-    exponent = plan_scale_exponent(lax.bitcast_convert_type(amax, jnp.uint32)).astype(jnp.uint8)
+    # amax as the integer max of |v|'s bits: float order for numbers and NaN above infinity. A float
+    # max is not safe here: XLA's CPU reductions lose a NaN in their vectorized loops.
+    magnitude = lax.bitcast_convert_type(blocks, jnp.uint32) & jnp.uint32(0x7FFFFFFF)
+    exponent = plan_scale_exponent(jnp.max(magnitude, axis=-1)).astype(jnp.uint8)
     scaled = jnp.clip(e8m0_scale_down(blocks, exponent[..., None]), -E4M3_MAX, E4M3_MAX)
     values = scaled.reshape(rows, width).astype(jnp.float8_e4m3fn)
     scales = lax.bitcast_convert_type(exponent, jnp.float8_e8m0fnu)

@@ -7,8 +7,9 @@
     latent_shard = bf16(y[:, split:])      round to nearest even, [B, n - split]
 
 and ``front_gemm_plan`` also writes, from the same epilogue, the MXFP8 plan of the latent shard
-(``reference.mxfp8_plan``): values float8_e4m3fn ``[B, n - split]`` and E8M0 scales ``[B, (n - split)
-/ block]``. Nothing else runs: no slice, cast or plan kernel after it.
+(``reference.mxfp8_plan``; the tile math is ``plan.quantize_tile``, shared with the standalone plan
+kernel): values float8_e4m3fn ``[B, n - split]`` and E8M0 scales ``[B, (n - split) / block]``.
+Nothing else runs: no slice, cast or plan kernel after it.
 
 Schedule. At decode batches the GEMM is bound by reading the weight, so each program streams one
 contiguous slab of it: ``block_rows`` rows by a ``H / split_k`` chunk of K, in ``block_k`` steps that
@@ -55,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_front_jax import reference
+from moe_front_jax.pallas.plan import quantize_tile
 from moe_front_jax.pallas.streaming import (
     MAX_BATCH,
     MIN_DOT,
@@ -218,24 +219,11 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
 
     def _plan_epilogue(latent, column, out_ok):
         nb = bn // g.block
-        # Blocks along the minor axis: each is a run of one row's registers, no layout shuffle.
-        blocks = latent.astype(jnp.float32).reshape(bp, nb, g.block)
-        magnitude = lax.bitcast_convert_type(blocks, jnp.int32) & 0x7FFFFFFF
-        # Integer max of |v|'s bits: float order for numbers, and NaN above infinity as in XLA.
-        exponent = reference.plan_scale_exponent(jnp.max(magnitude, axis=2))  # [batch_tile, nb]
-        scaled = reference.e8m0_scale_down(blocks, exponent[:, :, None])
-        # Selects rather than min/max: Triton's float min/max drop NaN, the reference keeps it.
-        top = reference.E4M3_MAX
-        scaled = jnp.where(scaled > top, top, jnp.where(scaled < -top, -top, scaled))
-        values = scaled.reshape(bp, bn).astype(jnp.float8_e4m3fn)
+        values, scales = quantize_tile(latent, g.block)  # [batch_tile, bn], [batch_tile, nb]
         plgpu.store(values_ref.at[pl.ds(0, bp), pl.ds(column, bn)], values, mask=out_ok)
         blocks_left = (g.shard - column) // g.block
         block_ok = batch_ok & (lax.broadcasted_iota(jnp.int32, (1, nb), 1) < blocks_left)
-        plgpu.store(
-            scales_ref.at[pl.ds(0, bp), pl.ds(column // g.block, nb)],
-            exponent.astype(jnp.uint8),
-            mask=block_ok,
-        )
+        plgpu.store(scales_ref.at[pl.ds(0, bp), pl.ds(column // g.block, nb)], scales, mask=block_ok)
 
     finish_split_k(
         [acc], partials_ref, counters_ref, split_k=split_k, part=part, tile=tile,

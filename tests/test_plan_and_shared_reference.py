@@ -63,6 +63,17 @@ def test_plan_nan_block():
     assert scales[0, 0] == 254 and scales[0, 1] == oracle.e8m0_byte(1 / 448)
 
 
+def test_plan_every_bfloat16_pattern():
+    """All 65536 bfloat16 patterns shuffled into blocks of one large call, where XLA's CPU reductions
+    take their vectorized loops: a block holding a NaN still gets byte 254."""
+    patterns = np.random.default_rng(1).permutation(1 << 16).astype(np.uint16)
+    latent = patterns.view(ml_dtypes.bfloat16).reshape(64, 1024)
+    values, scales = plan_bits(latent)
+    want_values, want_scales = oracle.mxfp8_plan(latent)
+    np.testing.assert_array_equal(scales, want_scales)
+    assert_values_equal(values, want_values)
+
+
 def test_scale_exponent_for_every_bfloat16():
     """The division-free E8M0 exponent over all 65536 bfloat16 bit patterns as amax equals the
     SPEC's, computed in float64 by the oracle (subnormal quotients included)."""

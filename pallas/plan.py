@@ -1,0 +1,221 @@
+"""The MXFP8 plan of a latent as one Pallas kernel (SPEC section 5), and the plan's tile math.
+
+``plan(latent, block)`` quantizes each row of ``latent`` ``[B, L]`` bfloat16 in blocks of ``block``
+consecutive elements, exactly as ``reference.mxfp8_plan``:
+
+    amax   = max |v| over the block                  (integer max of the magnitude bits)
+    scale  = amax / 448 rounded up to a power of two  E8M0 byte ``reference.plan_scale_exponent``
+    values = e4m3(clamp(v * (1 / scale), -448, 448))  round to nearest even; inverse 0 for byte 0
+
+and returns values float8_e4m3fn ``[B, L]`` and scales float8_e8m0fnu ``[B, L / block]``. The front
+GEMM's epilogue (``front_gemm.front_gemm_plan``) writes the same plan from its tiles through
+``quantize_tile``; this kernel is for a latent that arrives some other way (the mailbox's collect,
+the all-gather of tensor parallelism).
+
+Schedule. The plan is blockwise and the latent row-major, so the kernel views ``[B, L]`` as
+``B * L / width`` segments of ``width`` contiguous elements (``width`` a power-of-two multiple of
+``block`` that divides ``L``: 512 for K3 at tp1, 64 at tp8, whose ``L = 448 = 7 * 64``) and each
+program quantizes ``block_rows`` consecutive segments: one contiguous ``block_rows * width * 2``-byte
+load, the block maxima within a segment (a reduction across the few threads that hold a block), the
+scaling, one store of values and one of scale bytes. Reshapes on either side are free (row-major
+views). There is no loop: at decode batches the whole latent is at most 2.8 MB, so the kernel is one
+wave of programs bound by launch and one memory round trip, not by bandwidth. ``heuristic_config``
+gives each SM a program once there are enough segments (224 programs at B=256) and, at B=1, one
+segment per program (7 programs for K3 at any tp) so that no program serializes more than one load.
+
+Backend: Pallas' Triton lowering (as the other kernels; deprecated in jax 0.11 but working): a masked
+2-D load, a row reduction and a float8 conversion (``cvt.rn.satfinite`` on Hopper, nearest even; the
+clamp before it makes the saturation moot) are all it needs. Triton has no E8M0 type, so the kernel
+writes the scales as bytes and XLA reinterprets them in place (a bitcast, no kernel).
+
+Cost per call (``n = B * L`` elements):
+  bytes  = 2 * n            latent read
+         + n                values written (float8)
+         + n / block        scale bytes written
+         = (3 + 1 / block) * n: 10.9 KB a row at tp1 (L = 3584), 1.36 KB at tp8 (L = 448); 2.78 MB at
+           B = 256, tp1, which is 0.6 us at the H200's 4.65 TB/s read ceiling.
+  FLOPs  = about 6 * n: a magnitude mask and a max per element, two multiplies, two compares; a few
+           integer ops per block for the scale. No tensor-core work.
+``plan_bytes`` gives the byte count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_front_jax import reference
+from moe_front_jax.pallas.streaming import core_count
+
+MAX_WIDTH = 512
+"""Widest segment, in elements: K3's tp1 latent (3584 = 7 * 512) is 7 segments a row."""
+MAX_TILE = 8192
+"""Most elements one program holds (16 KB of bf16: 32 registers a thread at 8 warps)."""
+
+
+def quantize_tile(latent: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """The MXFP8 plan of a tile of latent rows, inside a Pallas kernel (or anywhere in JAX).
+
+    Args:
+      latent: ``[rows, cols]`` bfloat16, ``cols`` a multiple of ``block``; each run of ``block``
+        columns of a row is one MXFP8 block.
+      block: elements per scale.
+
+    Returns:
+      ``values`` ``[rows, cols]`` float8_e4m3fn and ``scales`` ``[rows, cols / block]`` uint8 (E8M0
+      bytes: Triton has no E8M0 type), bit-equal to ``reference.mxfp8_plan`` of the same rows.
+    """
+    rows, cols = latent.shape
+    # Blocks along the minor axis: each is a run of one row's registers, no layout shuffle.
+    blocks = latent.astype(jnp.float32).reshape(rows, cols // block, block)
+    magnitude = lax.bitcast_convert_type(blocks, jnp.int32) & 0x7FFFFFFF
+    # Integer max of |v|'s bits: float order for numbers, and NaN above infinity as in XLA.
+    exponent = reference.plan_scale_exponent(jnp.max(magnitude, axis=2))  # [rows, cols / block]
+    scaled = reference.e8m0_scale_down(blocks, exponent[:, :, None])
+    # Selects rather than min/max: Triton's float min/max drop NaN, the reference keeps it.
+    top = reference.E4M3_MAX
+    scaled = jnp.where(scaled > top, top, jnp.where(scaled < -top, -top, scaled))
+    values = scaled.reshape(rows, cols).astype(jnp.float8_e4m3fn)
+    return values, exponent.astype(jnp.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """Schedule of the plan kernel.
+
+    Attributes:
+      width: elements per segment, a power-of-two multiple of the plan block that divides ``L``.
+      block_rows: segments per program, a power of two.
+      num_warps: Triton warps per program, a power of two.
+    """
+
+    width: int
+    block_rows: int
+    num_warps: int
+
+    def __post_init__(self):
+        for name in ("width", "block_rows", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
+                raise ValueError(f"PlanConfig.{name} must be a power of two >= 1, got {value!r}")
+
+
+def widest_segment(latent: int, block: int) -> int:
+    """The largest power-of-two multiple of ``block`` that divides ``latent``, at most
+    ``max(block, MAX_WIDTH)``."""
+    width = block
+    while width * 2 <= MAX_WIDTH and latent % (width * 2) == 0:
+        width *= 2
+    return width
+
+
+def heuristic_config(batch: int, latent: int, block: int, cores: int) -> PlanConfig:
+    """The widest segment; as many segments per program as keep every one of ``cores`` SMs busy
+    (one where there are fewer segments than SMs), at most ``MAX_TILE`` elements; a warp per 256
+    elements (8 per thread), between 1 and 8."""
+    width = widest_segment(latent, block)
+    segments = batch * latent // width
+    block_rows = 1
+    while block_rows * 2 * cores <= segments and block_rows * 2 * width <= MAX_TILE:
+        block_rows *= 2
+    num_warps = max(1, min(8, block_rows * width // 256))
+    return PlanConfig(width, block_rows, num_warps)
+
+
+def pick_config(batch: int, latent: int, block: int) -> PlanConfig:
+    """``heuristic_config`` for the target device's SM count."""
+    return heuristic_config(batch, latent, block, core_count())
+
+
+def plan_bytes(batch: int, latent: int, block: int) -> int:
+    """Bytes one call moves (the docstring's count): the latent read, values and scale bytes written."""
+    n = batch * latent
+    return 2 * n + n + n // block
+
+
+def _kernel(latent_ref, values_ref, scales_ref, *, segments: int, config: PlanConfig, block: int):
+    rows, width = config.block_rows, config.width
+    first = pl.program_id(0) * rows
+    # A mask only where the last program runs past the segments: else plain 16-byte vectors.
+    row_ok = (first + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)) < segments
+    mask = row_ok if segments % rows else None
+    latent = plgpu.load(
+        latent_ref.at[pl.ds(first, rows), :], mask=mask, other=None if mask is None else 0.0
+    )
+    values, scales = quantize_tile(latent, block)
+    plgpu.store(values_ref.at[pl.ds(first, rows), :], values, mask=mask)
+    plgpu.store(scales_ref.at[pl.ds(first, rows), :], scales, mask=mask)
+
+
+def _check(latent, block) -> None:
+    shape = getattr(latent, "shape", None)
+    if shape is None or len(shape) != 2 or latent.dtype != jnp.bfloat16:
+        raise ValueError(
+            f"latent must be a 2-D bfloat16 array [B, L], got {shape} {getattr(latent, 'dtype', None)}"
+        )
+    if shape[0] == 0:
+        raise ValueError(f"latent is an empty batch (shape {tuple(shape)}); B must be >= 1")
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 1, got {block!r}")
+    if shape[1] % block:
+        raise ValueError(f"latent's width L={shape[1]} must be a multiple of block={block}")
+
+
+def plan(
+    latent: jax.Array,
+    block: int = 32,
+    *,
+    interpret: bool = False,
+    config: PlanConfig | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """MXFP8 plan of ``latent`` (SPEC section 5), one Pallas kernel.
+
+    Args:
+      latent: ``[B, L]`` bfloat16, ``B >= 1``.
+      block: elements per E8M0 scale, a power of two dividing ``L``.
+      interpret: run in Pallas' interpret mode (any machine).
+      config: the schedule; None picks ``heuristic_config`` for the target device.
+
+    Returns:
+      ``values`` ``[B, L]`` float8_e4m3fn and ``scales`` ``[B, L / block]`` float8_e8m0fnu, bit-equal
+      to ``reference.mxfp8_plan(latent, block)``.
+
+    Raises:
+      ValueError: ``latent`` not 2-D bfloat16, an empty batch, a ``block`` that is not a power of two
+        or does not divide ``L``, a config whose ``width`` is not a multiple of ``block`` dividing
+        ``L``.
+
+    Example::
+
+      values, scales = plan(out.latent)      # [B, 3584] float8_e4m3fn, [B, 112] float8_e8m0fnu
+    """
+    _check(latent, block)
+    batch, width_l = latent.shape
+    config = config or pick_config(batch, width_l, block)
+    if not isinstance(config, PlanConfig):
+        raise ValueError(f"config must be a PlanConfig or None, got {type(config).__name__}")
+    if config.width % block or width_l % config.width:
+        raise ValueError(
+            f"config.width={config.width} must be a multiple of block={block} that divides "
+            f"L={width_l}"
+        )
+    segments = batch * width_l // config.width
+    values, scales = pl.pallas_call(
+        functools.partial(_kernel, segments=segments, config=config, block=block),
+        out_shape=[
+            jax.ShapeDtypeStruct((segments, config.width), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((segments, config.width // block), jnp.uint8),
+        ],
+        grid=(pl.cdiv(segments, config.block_rows),),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        name="mxfp8_plan",
+    )(latent.reshape(segments, config.width))
+    scales = lax.bitcast_convert_type(scales.reshape(batch, width_l // block), jnp.float8_e8m0fnu)
+    return values.reshape(batch, width_l), scales

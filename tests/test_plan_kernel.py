@@ -1,0 +1,322 @@
+"""The Pallas MXFP8 plan kernel: interpret mode against the reference and the float64 oracle on the
+SPEC's edge cases and random latents, lowering for an H200 from the CPU host, the mailbox and
+tensor-parallel paths of ``moe_front`` through it, and on a GPU against the reference on the device."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import moe_front_jax as mf
+from moe_front_jax import backends, reference
+from moe_front_jax.pallas import plan as pp
+from h200 import H200, lower_for_h200
+import oracle
+
+BF16 = ml_dtypes.bfloat16
+K3 = mf.KIMI_K3
+
+
+@functools.partial(jax.jit, static_argnames=("block", "config"))
+def interpret(latent, *, block=32, config=None):
+    return pp.plan(latent, block, interpret=True, config=config)
+
+
+reference_plan = jax.jit(reference.mxfp8_plan, static_argnums=1)
+
+
+def plan_bytes(planned):
+    values, scales = planned
+    return np.asarray(values).view(np.uint8), np.asarray(scales).view(np.uint8)
+
+
+def assert_values_match_oracle(values, want):
+    """Bytes equal, except that a NaN need only be a NaN (the SPEC names no NaN encoding)."""
+    got_nan = np.isnan(values.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    want_nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(got_nan, want_nan)
+    np.testing.assert_array_equal(np.where(got_nan, 0, values), np.where(want_nan, 0, want.view(np.uint8)))
+
+
+def check(latent, block=32, config=None):
+    """The interpret kernel's bytes equal the reference's (NaN included: both run XLA's CPU ops) and
+    the float64 oracle's; returns (values, scales) as uint8."""
+    latent = jnp.asarray(latent, jnp.bfloat16)
+    values, scales = interpret(latent, block=block, config=config)
+    batch, width = latent.shape
+    assert values.dtype == jnp.float8_e4m3fn and values.shape == (batch, width)
+    assert scales.dtype == jnp.float8_e8m0fnu and scales.shape == (batch, width // block)
+    got = plan_bytes((values, scales))
+    for a, b in zip(got, plan_bytes(reference_plan(latent, block))):
+        np.testing.assert_array_equal(a, b)
+    want_values, want_scales = oracle.mxfp8_plan(np.asarray(latent), block)
+    np.testing.assert_array_equal(got[1], want_scales)
+    assert_values_match_oracle(got[0], want_values)
+    return got
+
+
+def bits(*values):
+    """bfloat16 values from their 16-bit patterns."""
+    return np.array(values, np.uint16).view(BF16)
+
+
+def edge_blocks():
+    """One 32-element block per SPEC edge case, as rows of floats (bfloat16-exact); returns
+    (blocks [n, 32] bfloat16, the expected scale byte of each, computed by hand)."""
+    cases = []
+
+    def case(byte, *values, fill=0.0):
+        row = np.full(32, fill, np.float32)
+        row[: len(values)] = values
+        cases.append((row.astype(BF16), byte))
+
+    case(0)  # all zeros: amax 0, scale byte 0 (decodes to 0), inverse 0
+    case(0, *[-0.0] * 32)  # all -0: byte 0, every value -0
+    case(0, -0.0, 0.0, -0.0)
+    sub = float(bits(0x0001)[0])  # the smallest bfloat16 subnormal, 2**-133
+    case(0, sub, -sub, float(bits(0x007F)[0]))  # subnormal amax: byte 0, values +-0
+    case(127, 448.0, -448.0, 1.0)  # amax / 448 = 1: scale 2**0, 448 stays the E4M3 max
+    case(128, 450.0, -3.0)  # just past 448 * 2**0: the scale rounds up to 2**1, 450 -> 225 -> 224
+    case(127, 448.0, 232.0, 248.0, -232.0)  # ties between E4M3 neighbours: 224, 256, -224
+    case(127, 448.0, 1.0625, 1.1875, -1.0625)  # ties at 3 mantissa bits: 1.0, 1.25, -1.0
+    case(127, 448.0, 2.0**-10, 3 * 2.0**-10, 2.0**-11, -(2.0**-10))  # subnormal ties: 0, 2**-8, 0, -0
+    case(127, 448.0, 2.0**-9, 7 * 2.0**-9, 2.0**-6 * 1.875)  # E4M3 subnormals and min normal
+    case(119, 1.0, 0.5, -0.25)  # amax a power of two: 2**0 / 448 rounds up to 2**-8
+    case(119, 1.75, 1.0)  # amax / 448 = 2**-8 exactly: not rounded up; 1.75 * 256 = 448
+    case(120, 1.7578125, 1.0)  # one bf16 ulp above 1.75: up to 2**-7
+    case(0, 2.0**-120, 2.0**-121)  # amax / 448 below 2**-127: byte 0
+    case(1, 2.0**-118, 2.0**-119)  # amax / 448 = 2**-126.8: rounds up to 2**-126, byte 1
+    case(247, float(bits(0x7F7F)[0]), 1.0)  # the largest finite bfloat16
+    case(254, np.inf, 1.0, -1.0)  # infinity saturates at byte 254; values 448, 1 * 2**-127 -> 0
+    case(254, -np.inf, np.inf, 3.0)  # -inf clamps to -448
+    case(254, np.nan, 1.0, 448.0)  # NaN: byte 254 too; the NaN stays a NaN
+    case(254, 1.0, float(bits(0xFFC0)[0]))  # a negative NaN
+    case(127, 448.0, fill=-1.0)  # a block of negatives and one max
+    blocks = np.stack([row for row, _ in cases])
+    return blocks, np.array([byte for _, byte in cases], np.uint8)
+
+
+def edge_latent(width=64):
+    """The edge blocks laid out in rows of ``width`` (a multiple of 32), padded with random blocks."""
+    blocks, bytes_ = edge_blocks()
+    per_row = width // 32
+    rows = -(-len(blocks) // per_row)
+    fill = rows * per_row - len(blocks)
+    pad = np.random.default_rng(0).normal(0, 3, (fill, 32)).astype(BF16)
+    latent = np.concatenate([blocks, pad]).reshape(rows, width)
+    return latent, bytes_
+
+
+# --- SPEC edge cases ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [32, 64, 448])
+def test_edge_cases(width):
+    latent, want_bytes = edge_latent(width)
+    values, scales = check(latent)
+    n = len(want_bytes)
+    np.testing.assert_array_equal(scales.reshape(-1)[:n], want_bytes)
+    v = values.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(-1, 32)
+    raw = values.reshape(-1, 32)
+    assert (raw[0] == 0x00).all() and (raw[1] == 0x80).all()  # zeros stay +0, -0 stays -0
+    np.testing.assert_array_equal(raw[2, :3], [0x80, 0x00, 0x80])
+    np.testing.assert_array_equal(raw[3, :3], [0x00, 0x80, 0x00])
+    np.testing.assert_array_equal(v[4, :3], [448, -448, 1])
+    np.testing.assert_array_equal(v[5, :2], [224, -1.5])
+    np.testing.assert_array_equal(v[6, :4], [448, 224, 256, -224])
+    np.testing.assert_array_equal(v[7, :4], [448, 1.0, 1.25, -1.0])
+    np.testing.assert_array_equal(raw[8, 1:5], [0x00, 0x02, 0x00, 0x80])  # 2**-8 is subnormal 2
+    np.testing.assert_array_equal(v[9, 1:4], [2.0**-9, 7 * 2.0**-9, 2.0**-6 * 1.875])
+    np.testing.assert_array_equal(v[10, :3], [256, 128, -64])
+    np.testing.assert_array_equal(v[11, :2], [448, 256])
+    np.testing.assert_array_equal(v[12, :2], [224, 128])
+    np.testing.assert_array_equal(raw[16, :3], [0x7E, 0x00, 0x80])  # 448; +-1 * 2**-127 -> +-0
+    np.testing.assert_array_equal(v[17, :3], [-448, 448, 0])
+    assert np.isnan(v[18, 0]) and v[18, 1] == 0 and v[18, 2] == 0 and np.isnan(v[19, 1])
+    np.testing.assert_array_equal(v[20, :2], [448, -1])
+
+
+def test_edge_cases_with_other_blocks_and_schedules():
+    latent, _ = edge_latent(64)
+    for block in (1, 2, 8, 16, 32, 64):
+        check(latent, block)
+    # Several segments a program, with a ragged last program (rows masked), and narrow segments.
+    for config in (pp.PlanConfig(32, 4, 1), pp.PlanConfig(64, 8, 2), pp.PlanConfig(32, 1, 1)):
+        check(latent, 32, config)
+
+
+def test_every_bfloat16_pattern():
+    """All 65536 bfloat16 bit patterns, shuffled into blocks (NaNs, infinities, subnormals, -0)."""
+    patterns = np.random.default_rng(1).permutation(1 << 16).astype(np.uint16)
+    check(patterns.view(BF16).reshape(64, 1024))
+
+
+# --- random latents, shapes, schedules ---------------------------------------------------------------
+
+
+def random_latent(batch, width, seed):
+    """Normals scaled by a power of two per block, from 2**-40 to 2**40: scales differ block to block."""
+    rng = np.random.default_rng(seed)
+    blocks = width // 32
+    scale = np.exp2(rng.integers(-40, 41, (batch, blocks))).repeat(32, axis=1)
+    return (rng.normal(0, 1, (batch, width)) * scale).astype(BF16)
+
+
+@pytest.mark.parametrize("width", [3584, 448, 96])
+@pytest.mark.parametrize("batch", [1, 3, 37, 256])
+def test_random_latents(batch, width):
+    check(random_latent(batch, width, seed=batch * 7 + width))
+
+
+@pytest.mark.parametrize("config", [pp.PlanConfig(32, 1, 1), pp.PlanConfig(64, 16, 4),
+                                    pp.PlanConfig(512, 2, 4), pp.PlanConfig(128, 64, 8)])
+def test_random_latents_under_every_schedule(config):
+    check(random_latent(37, 3584, seed=5), 32, config)
+
+
+def test_heuristic_schedule():
+    """The widest segment dividing L; one segment a program at B=1; every SM busy at B=256."""
+    assert pp.widest_segment(3584, 32) == 512 and pp.widest_segment(448, 32) == 64
+    assert pp.widest_segment(96, 32) == 32 and pp.widest_segment(34, 2) == 2
+    for latent in (3584, 1792, 896, 448):
+        width = pp.widest_segment(latent, 32)
+        one = pp.heuristic_config(1, latent, 32, cores=132)
+        assert one.block_rows == 1 and one.width == width
+        big = pp.heuristic_config(256, latent, 32, cores=132)
+        segments = 256 * latent // width
+        assert -(-segments // big.block_rows) >= 132
+        assert big.block_rows * big.width <= pp.MAX_TILE and 1 <= big.num_warps <= 8
+    assert pp.plan_bytes(256, 3584, 32) == 256 * 3584 * 3 + 256 * 112
+
+
+# --- registration, lowering, errors ------------------------------------------------------------------
+
+
+def test_registered_behind_the_plan_stage():
+    assert backends.KERNELS["plan"] == "moe_front_jax.pallas.plan:plan"
+    assert "plan" not in backends.PENDING
+    fn = backends.stage("plan", "interpret")
+    assert fn.func is pp.plan and fn.keywords == {"interpret": True}
+    assert backends.stage("plan", "pallas").keywords == {"interpret": False}
+    assert backends.stage("plan", "xla") is reference.mxfp8_plan
+
+
+@pytest.fixture
+def plan_spy(monkeypatch):
+    """Counts the plan kernel's calls through ``backends.stage``."""
+    calls = []
+    real = pp.plan
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pp, "plan", spy)
+    backends._load.cache_clear()
+    yield calls
+    backends._load.cache_clear()
+
+
+def small_front(cfg):
+    params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg, shared=False), cfg)
+    x = (jax.random.normal(jax.random.key(1), (5, cfg.hidden)) * 4).astype(jnp.bfloat16)
+    return x, params
+
+
+@pytest.mark.parametrize("plan_block", [32, 2])
+def test_moe_front_mailbox_path_plans_with_the_kernel(plan_spy, plan_block):
+    """With a mailbox the plan is of the collected latent, by the plan kernel (interpret mode)."""
+    cfg = mf.FrontConfig(hidden=64, experts=26, top_k=4, latent=64, shared=0, plan_block=plan_block)
+    x, params = small_front(cfg)
+    box = mf.Mailbox.create(cfg, capacity=8)
+    step = jax.jit(
+        functools.partial(mf.moe_front, plan=True, backend="interpret"), donate_argnames="mailbox"
+    )
+    out, box = step(x, params, mailbox=box)
+    assert int(out.status) == 0 and len(plan_spy) == 1 and plan_spy[0] == {"interpret": True}
+    direct = mf.moe_front(x, params, backend="xla")
+    np.testing.assert_array_equal(np.asarray(out.ids), np.asarray(direct.ids))
+    for got, want in zip(plan_bytes(out.plan), plan_bytes(reference_plan(out.latent, plan_block))):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_moe_front_under_tensor_parallelism_plans_with_the_kernel(plan_spy):
+    """Under shard_map each rank plans the gathered latent with the kernel (interpret mode)."""
+    cfg = mf.FrontConfig(hidden=256, experts=64, top_k=8, latent=256, shared=0)
+    weights = mf.init_weights(jax.random.key(0), cfg, shared=False)
+    params = mf.shard_params(weights, cfg, Mesh(np.array(jax.devices()[:4]), ("tp",)))
+    x = (jax.random.normal(jax.random.key(1), (6, cfg.hidden)) * 4).astype(jnp.bfloat16)
+    out = jax.jit(functools.partial(mf.moe_front, plan=True, backend="interpret"))(x, params)
+    assert len(plan_spy) == 1  # traced once, run on every rank
+    for got, want in zip(plan_bytes(out.plan), plan_bytes(reference_plan(out.latent, 32))):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("latent", [3584, 448])
+def test_lowers_for_h200_as_one_kernel(latent):
+    """One Triton kernel per call; around it only free reshapes and the E8M0 bitcast."""
+    for batch in (1, 8, 64, 256):
+        text = lower_for_h200(lambda v: pp.plan(v), jnp.zeros((batch, latent), jnp.bfloat16))
+        assert text.count("__gpu$xla.gpu.triton") == 1
+        ops = set(op for op in text.split() if op.startswith("stablehlo.") and "(" not in op)
+        ops = {op.split("(")[0] for op in ops}
+        assert ops <= {"stablehlo.custom_call", "stablehlo.reshape", "stablehlo.bitcast_convert",
+                       "stablehlo.mesh"}, (batch, ops)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert pp.pick_config(256, latent, 32) == pp.heuristic_config(256, latent, 32, H200.num_cores)
+
+
+def test_errors():
+    latent = jnp.zeros((2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"latent must be a 2-D bfloat16 array \[B, L\], got \(2, 64\) float32"):
+        pp.plan(latent.astype(jnp.float32))
+    with pytest.raises(ValueError, match="latent must be a 2-D bfloat16"):
+        pp.plan(latent[0])
+    with pytest.raises(ValueError, match="latent is an empty batch"):
+        pp.plan(latent[:0])
+    with pytest.raises(ValueError, match="block must be a power of two >= 1, got 24"):
+        pp.plan(latent, 24)
+    with pytest.raises(ValueError, match="latent's width L=48 must be a multiple of block=32"):
+        pp.plan(latent[:, :48])
+    with pytest.raises(ValueError, match="config.width=16 must be a multiple of block=32"):
+        pp.plan(latent, config=pp.PlanConfig(16, 1, 1))
+    with pytest.raises(ValueError, match="config must be a PlanConfig"):
+        pp.plan(latent, config=(64, 1, 1))
+    with pytest.raises(ValueError, match="PlanConfig.block_rows must be a power of two"):
+        pp.PlanConfig(64, 3, 1)
+
+
+# --- on the GPU --------------------------------------------------------------------------------------
+
+GPU_ROWS = 12_288
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("latent", [3584, 448])
+def test_gpu_matches_reference(latent):
+    """12,288 random rows (normals over 81 binades, and random bfloat16 bit patterns: NaN, infinities,
+    subnormals, -0) plus the edge rows, at the shipped schedule of each batch: scale bytes equal to
+    the XLA reference's on the same device, value bytes equal except that a NaN need only be a NaN
+    (the SPEC names no NaN encoding), and both equal the float64 oracle's."""
+    kernel = jax.jit(pp.plan)
+    rng = np.random.default_rng(latent)
+    edges = np.resize(edge_latent(latent)[0].reshape(-1), (8, latent)).astype(BF16)
+    batches = [edges] + [
+        random_latent(256, latent, seed=i) if i % 2 else
+        rng.integers(0, 1 << 16, (256, latent), dtype=np.uint16).view(BF16)
+        for i in range(GPU_ROWS // 256)
+    ]
+    batches += [random_latent(b, latent, seed=b) for b in (1, 8, 64)]
+    for latent_rows in batches:
+        got = plan_bytes(kernel(jnp.asarray(latent_rows)))
+        want = plan_bytes(reference_plan(jnp.asarray(latent_rows), 32))
+        np.testing.assert_array_equal(got[1], want[1])
+        assert_values_match_oracle(got[0], want[0].view(ml_dtypes.float8_e4m3fn))
+        oracle_values, oracle_scales = oracle.mxfp8_plan(latent_rows)
+        np.testing.assert_array_equal(got[1], oracle_scales)
+        assert_values_match_oracle(got[0], oracle_values)
