@@ -91,18 +91,12 @@ class RouteConfig:
 
     block_rows: int
     num_warps: int
-    selection: str = "argmax"
-    parts: int = 1
 
     def __post_init__(self):
-        for name in ("block_rows", "num_warps", "parts"):
+        for name in ("block_rows", "num_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
                 raise ValueError(f"RouteConfig.{name} must be a power of two >= 1, got {value!r}")
-        if self.selection not in ("argmax", "packed"):
-            raise ValueError(f"RouteConfig.selection must be 'argmax' or 'packed', got {self.selection!r}")
-        if self.selection == "argmax" and self.parts != 1:
-            raise ValueError("RouteConfig.parts > 1 needs selection='packed'")
 
 
 def next_power_of_2(n: int) -> int:
@@ -174,12 +168,19 @@ def _tree_sum(w):
     return w
 
 
-def _row_keys(logits_ref, bias_ref, first, bb, row_mask, lanes, experts, interpret):
-    """Ordered int32 keys ``[bb, lanes]`` of the block's rows, and the lanes ``[1, lanes]``."""
+def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes, slots, cfg,
+            block_rows, interpret):
+    bb, k = block_rows, cfg.top_k
+    first = pl.program_id(0) * bb
+    rows = first + lax.broadcasted_iota(jnp.int32, (bb, 1), 0)
     lane = lax.broadcasted_iota(jnp.int32, (1, lanes), 1)
+    row_ok = rows < batch
     lane_ok = lane < experts
     lane_mask = lane_ok if lanes != experts else None
-    if lane_mask is None:
+    row_mask = row_ok if batch % bb else None
+    if lane_mask is None and row_mask is None:
+        mask = None
+    elif lane_mask is None:
         mask = row_mask
     elif row_mask is None:
         mask = lane_mask
@@ -201,49 +202,14 @@ def _row_keys(logits_ref, bias_ref, first, bb, row_mask, lanes, experts, interpr
     ordered = jnp.where(key != key, jnp.int32(NAN_KEY), ordered)
     if lane_mask is not None:
         ordered = jnp.where(lane_ok, ordered, jnp.int32(PAD_KEY))
-    return ordered, lane
 
-
-def _select_argmax(ordered, lane, k, slot, ids):
+    slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
+    ids = jnp.zeros((bb, slots), jnp.int32)
     for r in range(k):
         best = jnp.argmax(ordered, axis=1).astype(jnp.int32)[:, None]  # ties: the lower lane
         ids = jnp.where(slot == r, best, ids)
         if r + 1 < k:
             ordered = jnp.where(lane == best, jnp.int32(PAD_KEY), ordered)
-    return ids
-
-
-def _select_packed(ordered, lane, k, slot, ids, lanes, parts):
-    with jax.enable_x64(True):
-        low = jnp.int64(lanes - 1)
-        packed = (ordered.astype(jnp.int64) << 32) | (low - lane.astype(jnp.int64))
-        packed = jnp.split(packed, parts, axis=1) if parts > 1 else [packed]
-        gone = jnp.int64(-(2**63))
-        for r in range(k):
-            level = packed
-            while len(level) > 1:
-                level = [jnp.maximum(a, b) for a, b in zip(level[0::2], level[1::2])]
-            best = jnp.max(level[0], axis=1, keepdims=True)
-            lane = (low - (best & jnp.int64(0xFFFFFFFF))).astype(jnp.int32)
-            ids = jnp.where(slot == r, lane, ids)
-            if r + 1 < k:
-                packed = [jnp.where(p == best, gone, p) for p in packed]
-    return ids
-
-
-def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes, slots, cfg,
-            block_rows, config, interpret):
-    bb, k = block_rows, cfg.top_k
-    first = pl.program_id(0) * bb
-    rows = first + lax.broadcasted_iota(jnp.int32, (bb, 1), 0)
-    row_mask = rows < batch if batch % bb else None
-    ordered, lane = _row_keys(logits_ref, bias_ref, first, bb, row_mask, lanes, experts, interpret)
-    slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
-    ids = jnp.zeros((bb, slots), jnp.int32)
-    if config.selection == "argmax":
-        ids = _select_argmax(ordered, lane, k, slot, ids)
-    else:
-        ids = _select_packed(ordered, lane, k, slot, ids, lanes, config.parts)
 
     slot_ok = slot < k
     out_mask = slot_ok if slots != k else None
@@ -336,7 +302,6 @@ def route(
         slots=next_power_of_2(cfg.top_k),
         cfg=cfg,
         block_rows=block_rows,
-        config=config,
         interpret=interpret,
     )
     ids, weights = pl.pallas_call(
