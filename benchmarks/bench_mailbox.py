@@ -138,7 +138,7 @@ def sweep_variants(cfg, params) -> list[dict]:
 
     chosen = (tm.BLOCK_CHUNKS, tm.NUM_WARPS)
     rows = []
-    for block, warps in [(32, 1), (64, 2), (128, 4), (256, 4), (256, 8)]:
+    for block, warps in [(128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (1024, 8), (1024, 16)]:
         tm.BLOCK_CHUNKS, tm.NUM_WARPS = block, warps
         jax.clear_caches()
         row = dict(block=block, warps=warps)
