@@ -35,27 +35,19 @@ Other negative values, subnormals and NaN payloads pass unchanged.
 
 Generations, and why the immediate re-arm is safe
 -------------------------------------------------
-Step ``t`` (one ``exchange``) uses generation ``g = t mod G``. ``Mailbox.control`` is int32 ``[4]``:
-the generation the last collect read, then the one the last publish wrote, then two words that only
-the GPU's one-launch exchange uses within a step (below) and leaves 0. A publish writes generation
+Step ``t`` (one ``exchange``) uses generation ``g = t mod G``. ``Mailbox.control`` is int32 ``[2]``:
+the generation the last collect read, then the one the last publish wrote. A publish writes generation
 ``(control[0] + 1) mod G`` and records it in ``control[1]``; a collect reads generation ``control[1]``
 and records it in ``control[0]``. Neither kernel writes a word it reads, so every program of a grid
-reads the same value without atomics or a barrier. A new mailbox holds ``[G - 1, G - 1, 0, 0]``, and
-after a step the first two words are that step's generation. A collect re-arms each chunk right after
-copying it out. That never erases a value of a later step:
+reads the same value without atomics or a barrier. A new mailbox holds ``[G - 1, G - 1]``, and
+after a step both words are that step's generation. A collect re-arms each chunk right after copying it
+out. That never erases a value of a later step:
 
-1. On one device (tp = 1, what runs today): ``exchange`` on the GPU is one kernel
-   (``triton_mailbox.mailbox_exchange``) whose every program publishes its chunks of a row, then
-   polls, copies out and re-arms those same chunks; the next step's kernel starts only after this one
-   has finished and its stores are visible (jax-triton's kernels never trigger programmatic dependent
-   launch), so no value of step t+1 exists while step t is re-armed. One generation would suffice.
-   Every program reads ``control[0]``, so none may write it until all have: each program takes a
-   ticket from ``control[3]`` (an acquire-release atomic after a CTA barrier) as its last act, and the
-   program that draws the last ticket writes both generation words, moves the step's timeout flag
-   ``control[2]`` into the status and zeroes ``control[2]`` and ``control[3]``. One launch instead of
-   a publish and a collect saves a kernel's start and end per step (issue #5 measured each kernel at
-   about 1 us at decode batches). The separate ``publish`` and ``collect`` kernels remain for callers
-   that split the step (a collect of a never-published mailbox is how the timeout is tested).
+1. On one device (tp = 1, what runs today): publish(t), collect(t) and publish(t+1) are kernels on one
+   stream. collect(t) completes, its re-arm stores included, before publish(t+1) starts (jax-triton's
+   kernels never trigger programmatic dependent launch, so the next kernel starts only after this one
+   has finished and its stores are visible), so no value of step t+1 exists while step t is re-armed.
+   One generation would suffice.
 2. Across ranks (the peer-store publish of the multi-GPU issue): rank ``r`` writes into rank ``s``'s
    generation ``g`` again only at step ``t + G``. Rank ``r`` issues publish(t+G) after its
    collect(t+G-1) has seen every rank's publish(t+G-1), including ``s``'s; ``s`` issues publish(t+G-1)
@@ -75,10 +67,9 @@ writer may still land in the re-armed row: a caller that sees the status should 
 with a new one. In plain JAX there is nothing to wait for: a chunk holding the sentinel when it is
 collected is a timeout.
 
-On the GPU the status is one word: publish writes 0 into it (the one-launch exchange uses
-``control[2]``, which is 0 between steps), and a collect program that times out writes ``TIMEOUT``;
-the other programs read it while they poll and stop at once when it is set, so the programs of a later
-wave do not each spin to the limit.
+On the GPU the status is one word: publish writes 0 into it, and a collect program that times out
+writes ``TIMEOUT``; the other programs read it while they poll and stop at once when it is set, so
+the programs of a later wave do not each spin to the limit.
 
 Backends: ``"auto"`` runs the jax-triton kernels of ``triton_mailbox`` on a GPU (imported only then:
 jax-triton 0.3.1 cannot be imported without a GPU jaxlib) and this module's plain JAX elsewhere;
@@ -105,9 +96,8 @@ TIMEOUT = 1
 """Status of a collect that found a chunk still holding the sentinel after its spin limit."""
 CHUNK_WORDS = 4
 """32-bit words per 16-byte chunk, the unit a reader polls, copies and re-arms."""
-CONTROL_WORDS = 4
-"""``Mailbox.control``: [generation the last collect read, generation the last publish wrote, the
-GPU exchange's timeout flag, its ticket counter] (the last two are 0 between steps)."""
+CONTROL_WORDS = 2
+"""``Mailbox.control``: [generation the last collect read, generation the last publish wrote]."""
 
 
 def latent_words(cfg: FrontConfig) -> int:
@@ -142,9 +132,8 @@ class Mailbox:
 
     Attributes:
       buffer: ``[generations, capacity, words]`` uint32 rows (layout in the module docstring).
-      control: ``[4]`` int32: the generation the last collect read, the one the last publish
-        wrote, and two words the GPU exchange kernel uses within a step and leaves 0
-        (``[G - 1, G - 1, 0, 0]`` when new).
+      control: ``[2]`` int32: the generation the last collect read, and the one the last publish
+        wrote (``[G - 1, G - 1]`` when new).
       cfg: the model config the rows are laid out for (static).
     """
 
@@ -183,7 +172,7 @@ class Mailbox:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         rows = np.broadcast_to(armed_row(cfg), (generations, capacity, row_words(cfg)))
-        control = jnp.array([generations - 1, generations - 1, 0, 0], jnp.int32)
+        control = jnp.full((CONTROL_WORDS,), generations - 1, jnp.int32)
         return cls(jnp.asarray(rows), control, cfg)
 
     @property
@@ -415,7 +404,9 @@ def exchange(
             )
         if _use_kernels(backend):
             _check_shard("latent_shard", latent_shard, batch, cfg.latent_per_rank, jnp.bfloat16)
-            return _kernels().exchange(mailbox, logits, latent_shard)
+            kernels = _kernels()
+            mailbox, status = kernels.publish(mailbox, logits, latent_shard)
+            return kernels.collect(mailbox, batch, status)
         mailbox = publish(mailbox, logits, latent_shard, 0, backend=backend)
     else:
         if _use_kernels(backend):

@@ -1,5 +1,4 @@
-"""The Lamport mailbox on the GPU: jax-triton kernels for publish, collect, and both in one launch
-(SPEC.md section 7).
+"""The Lamport mailbox on the GPU: jax-triton kernels for publish and collect (SPEC.md section 7).
 
 Imported only on the GPU path (``moe_front_jax.bridge.mailbox`` picks it): jax-triton 0.3.1 cannot
 be imported without a GPU jaxlib, and ``jax_triton`` is imported inside the wrappers so that the
@@ -11,20 +10,16 @@ another writer may change while the kernel runs, and a spin loop bounded by a co
 shape. Pallas' Triton lowering has no volatile load; ``triton_call`` gives all three directly.
 
 The layout, the sentinel, the generations, the control words and the safety argument of the immediate
-re-arm are in ``mailbox``'s docstring. Each kernel runs one program per (block of ``BLOCK_CHUNKS``
+re-arm are in ``mailbox``'s docstring. Both kernels run one program per (block of ``BLOCK_CHUNKS``
 16-byte chunks, row); each thread owns whole chunks, so each load and store of the row is a 16-byte
-vector access. Publish and collect use no atomic: publish zeroes the status word that collect's
-timed-out programs set, and each writes only control words it does not read. ``exchange`` (what
-``mailbox.exchange`` runs at tp = 1) publishes and collects in one launch, each program polling back
-the chunks it stored; it reads the control word it must update, so one atomic ticket per program picks
-the last program to finish, which writes it.
+vector access. Neither kernel uses an atomic: publish zeroes the status word that collect's timed-out
+programs set, and each kernel writes only control words it does not read.
 
 Byte counts per row, for ``L`` latent columns and ``E`` experts (a row is ``2L + 4E`` bytes, 10752 for
 Kimi-K3): publish reads ``2L + 4E`` bytes of logits and latent and writes as many into the mailbox;
-collect reads the row, writes it out and re-arms it, ``3 (2L + 4E)``; exchange moves the sum,
-``5 (2L + 4E)``, plus a 4-byte atomic per program. No FLOPs. At B = 64 that is 3.4 MB, 1.0 us at the
-H200's 3.36 TB/s copy ceiling: at decode batch sizes a kernel costs its start and end, about 1 us
-each, not bandwidth, which is why the step is one launch.
+collect reads the row, writes it out and re-arms it, ``3 (2L + 4E)``. No FLOPs. At B = 64 the two
+kernels move 3.4 MB, 1.0 us at the H200's 3.36 TB/s copy ceiling: at decode batch sizes they cost
+their launch and the dependency between them, not bandwidth.
 """
 
 from __future__ import annotations
@@ -58,45 +53,6 @@ def _canonical(words, in_latent):
 
 
 @triton.jit
-def _store_canonical(cell, row, word, logits, latent_shard, LATENT_WORDS, EXPERTS):
-    # Store this program's words of a row of ``latent_shard`` and ``logits``, canonicalized, at ``cell``.
-    in_latent = word < LATENT_WORDS
-    in_logits = (word >= LATENT_WORDS) & (word < LATENT_WORDS + EXPERTS)
-    latent_words = latent_shard.to(tl.pointer_type(tl.uint32))
-    logit_words = logits.to(tl.pointer_type(tl.uint32))
-    from_latent = tl.load(latent_words + row * LATENT_WORDS + word, mask=in_latent, other=0)
-    from_logits = tl.load(logit_words + row * EXPERTS + (word - LATENT_WORDS), mask=in_logits, other=0)
-    words = _canonical(tl.where(in_latent, from_latent, from_logits), in_latent)
-    tl.store(cell, words, mask=in_latent | in_logits)
-
-
-@triton.jit
-def _poll_copy_rearm(cell, row, word, latent, logits, status, LATENT_WORDS, EXPERTS, SPIN, TIMEOUT):
-    # Poll this program's chunks of a row until no word is the sentinel (or ``SPIN`` polls, or another
-    # program's timeout in ``status``), copy them out to ``latent`` and ``logits``, re-arm them.
-    in_latent = word < LATENT_WORDS
-    in_logits = (word >= LATENT_WORDS) & (word < LATENT_WORDS + EXPERTS)
-    data = in_latent | in_logits
-    # Volatile: each poll re-reads memory that a writer may change while this kernel runs.
-    words = tl.load(cell, mask=data, other=0, volatile=True)
-    pending = tl.sum((words == _SENTINEL).to(tl.int32), axis=None)
-    spins = 0
-    while (pending > 0) & (spins < SPIN):
-        words = tl.load(cell, mask=data, other=0, volatile=True)
-        pending = tl.sum((words == _SENTINEL).to(tl.int32), axis=None)
-        # Once one program has timed out the step has failed: the others stop polling at once.
-        given_up = tl.load(status, volatile=True)
-        spins = tl.where(given_up != 0, SPIN, spins + 1)
-    if pending > 0:
-        tl.store(status, TIMEOUT)
-    latent_words = latent.to(tl.pointer_type(tl.uint32))
-    logit_words = logits.to(tl.pointer_type(tl.uint32))
-    tl.store(latent_words + row * LATENT_WORDS + word, words, mask=in_latent)
-    tl.store(logit_words + row * EXPERTS + (word - LATENT_WORDS), words, mask=in_logits)
-    tl.store(cell, tl.full(words.shape, _SENTINEL, tl.uint32), mask=data)
-
-
-@triton.jit
 def mailbox_publish(
     buffer_in,
     control_in,
@@ -119,8 +75,15 @@ def mailbox_publish(
     generation = (tl.load(control) + 1) % GENERATIONS
     chunk = block * BLOCK + tl.arange(0, BLOCK)
     word = chunk[:, None] * 4 + tl.arange(0, 4)[None, :]
+    in_latent = word < LATENT_WORDS
+    in_logits = (word >= LATENT_WORDS) & (word < LATENT_WORDS + EXPERTS)
+    latent_words = latent_shard.to(tl.pointer_type(tl.uint32))
+    logit_words = logits.to(tl.pointer_type(tl.uint32))
+    from_latent = tl.load(latent_words + row * LATENT_WORDS + word, mask=in_latent, other=0)
+    from_logits = tl.load(logit_words + row * EXPERTS + (word - LATENT_WORDS), mask=in_logits, other=0)
+    words = _canonical(tl.where(in_latent, from_latent, from_logits), in_latent)
     cell = buffer + (generation * CAPACITY + row).to(tl.int64) * ROW_WORDS + word
-    _store_canonical(cell, row, word, logits, latent_shard, LATENT_WORDS, EXPERTS)
+    tl.store(cell, words, mask=in_latent | in_logits)
     tl.store(control + 1, generation)
     tl.store(status, 0)
 
@@ -149,56 +112,28 @@ def mailbox_collect(
     generation = tl.load(control + 1)
     chunk = block * BLOCK + tl.arange(0, BLOCK)
     word = chunk[:, None] * 4 + tl.arange(0, 4)[None, :]
+    in_latent = word < LATENT_WORDS
+    in_logits = (word >= LATENT_WORDS) & (word < LATENT_WORDS + EXPERTS)
+    data = in_latent | in_logits
     cell = buffer + (generation * CAPACITY + row).to(tl.int64) * ROW_WORDS + word
-    _poll_copy_rearm(cell, row, word, latent, logits, status, LATENT_WORDS, EXPERTS, SPIN, TIMEOUT)
+    # Volatile: each poll re-reads memory that a writer may change while this kernel runs.
+    words = tl.load(cell, mask=data, other=0, volatile=True)
+    pending = tl.sum((words == _SENTINEL).to(tl.int32), axis=None)
+    spins = 0
+    while (pending > 0) & (spins < SPIN):
+        words = tl.load(cell, mask=data, other=0, volatile=True)
+        pending = tl.sum((words == _SENTINEL).to(tl.int32), axis=None)
+        # Once one program has timed out the step has failed: the others stop polling at once.
+        given_up = tl.load(status, volatile=True)
+        spins = tl.where(given_up != 0, SPIN, spins + 1)
+    if pending > 0:
+        tl.store(status, TIMEOUT)
+    latent_words = latent.to(tl.pointer_type(tl.uint32))
+    logit_words = logits.to(tl.pointer_type(tl.uint32))
+    tl.store(latent_words + row * LATENT_WORDS + word, words, mask=in_latent)
+    tl.store(logit_words + row * EXPERTS + (word - LATENT_WORDS), words, mask=in_logits)
+    tl.store(cell, tl.full(words.shape, _SENTINEL, tl.uint32), mask=data)
     tl.store(control, generation)
-
-
-@triton.jit
-def mailbox_exchange(
-    buffer_in,
-    control_in,
-    logits_in,
-    latent_in,
-    buffer,
-    control,
-    latent,
-    logits,
-    status,
-    CAPACITY: tl.constexpr,
-    ROW_WORDS: tl.constexpr,
-    LATENT_WORDS: tl.constexpr,
-    EXPERTS: tl.constexpr,
-    GENERATIONS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    SPIN: tl.constexpr,
-    TIMEOUT: tl.constexpr,
-):
-    # Publish and collect in one launch: each program stores its chunks of the row into generation
-    # ``g = control[0] + 1``, polls them back, copies them out and re-arms them. Inputs 0 and 1 alias
-    # outputs 0 and 1. ``control[0]`` is read by every program and written only by the last one to
-    # finish (it draws the last ticket of ``control[3]``, after every program has read it), which
-    # also moves the step's timeout flag ``control[2]`` into ``status`` and clears both words.
-    block, row = tl.program_id(0), tl.program_id(1)
-    generation = (tl.load(control) + 1) % GENERATIONS
-    chunk = block * BLOCK + tl.arange(0, BLOCK)
-    word = chunk[:, None] * 4 + tl.arange(0, 4)[None, :]
-    cell = buffer + (generation * CAPACITY + row).to(tl.int64) * ROW_WORDS + word
-    _store_canonical(cell, row, word, logits_in, latent_in, LATENT_WORDS, EXPERTS)
-    _poll_copy_rearm(
-        cell, row, word, latent, logits, control + 2, LATENT_WORDS, EXPERTS, SPIN, TIMEOUT
-    )
-    # Every thread's stores happen before the ticket's release (a CTA barrier, then one thread's
-    # acquire-release atomic); the last ticket's acquire sees every program's timeout store.
-    tl.debug_barrier()
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    ticket = tl.atomic_add(control + 3, 1, sem="acq_rel", scope="gpu")
-    if ticket == programs - 1:
-        tl.store(status, tl.load(control + 2, volatile=True))
-        tl.store(control + 2, 0)
-        tl.store(control + 3, 0)
-        tl.store(control, generation)
-        tl.store(control + 1, generation)
 
 
 def grid(cfg, batch: int) -> tuple[int, int]:
@@ -280,45 +215,6 @@ def collect(
         num_warps=NUM_WARPS,
         name="mailbox_collect",
         CAPACITY=mailbox.capacity,
-        SPIN=spin_limit,
-        TIMEOUT=mb.TIMEOUT,
-        **layout(cfg),
-    )
-    return logits, latent, status, mb.Mailbox(buffer, control, cfg)
-
-
-def exchange(
-    mailbox: mb.Mailbox, logits: jax.Array, latent_shard: jax.Array, spin_limit: int = SPIN_LIMIT
-) -> tuple[jax.Array, jax.Array, jax.Array, mb.Mailbox]:
-    """``publish`` then ``collect`` (tp = 1) in one kernel, in place: rows ``[0, B)`` of the next
-    generation are written, polled, copied out and re-armed.
-
-    Returns ``(logits [B, E] float32, latent [B, L] bfloat16, status, mailbox)`` as ``collect``.
-    Arguments are checked by ``mailbox.exchange``.
-    """
-    import jax_triton as jt
-
-    cfg = mailbox.cfg
-    batch = logits.shape[0]
-    buffer, control, latent, logits, status = jt.triton_call(
-        mailbox.buffer,
-        mailbox.control,
-        logits,
-        latent_shard,
-        kernel=mailbox_exchange,
-        out_shape=(
-            jax.ShapeDtypeStruct(mailbox.buffer.shape, mailbox.buffer.dtype),
-            jax.ShapeDtypeStruct(mailbox.control.shape, mailbox.control.dtype),
-            jax.ShapeDtypeStruct((batch, cfg.latent), jnp.bfloat16),
-            jax.ShapeDtypeStruct((batch, cfg.experts), jnp.float32),
-            jax.ShapeDtypeStruct((), jnp.int32),
-        ),
-        grid=grid(cfg, batch),
-        input_output_aliases={0: 0, 1: 1},
-        num_warps=NUM_WARPS,
-        name="mailbox_exchange",
-        CAPACITY=mailbox.capacity,
-        GENERATIONS=mailbox.generations,
         SPIN=spin_limit,
         TIMEOUT=mb.TIMEOUT,
         **layout(cfg),
