@@ -1,6 +1,6 @@
-"""Prototype: the routing step as a jax-triton kernel around Triton's ``tl.topk`` (bitonic), timed
-beside the Pallas argmax kernel and the XLA reference on the GPU, with its outputs checked against the
-Pallas kernel's bit for bit.
+"""Prototype (not shipped; RESULTS.md has its figures): the routing step as a jax-triton kernel around
+Triton's ``tl.topk`` (bitonic), timed beside the Pallas argmax kernel and the XLA reference on the
+GPU, with its outputs checked against the Pallas kernel's bit for bit.
 
   python benchmarks/route_topk_proto.py --out $OUT
 """

@@ -55,7 +55,10 @@ of issue #3's targets (3.0 us up to B=64, 5.0 at 256, 4x). The time is the chain
 round across warps. A radix select (the ``top_k``-th key found MSB-first by packed integer counts,
 then the chosen lanes compacted by cumsum and masked sums and ranked by a ``[top_k, top_k]``
 comparison; commit 99a6d6f, reverted) was measured in the same run and was slower at every batch and
-schedule: 4.8-21.9 us, best 4.77 at B=1 with 4 warps, 2-bit digits and an early exit.
+schedule: 4.8-21.9 us, best 4.77 at B=1 with 4 warps, 2-bit digits and an early exit. Packing key
+and lane into one int64 (one integer max a round) was 0.5-1 us slower. Triton's own bitonic
+``tl.topk`` over the packed keys, outside Pallas (``benchmarks/route_topk_proto.py``, jax-triton),
+took 3.6-3.7 us at B <= 64 with 8 warps: faster, still short of 3 us, and GPU-only.
 """
 
 from __future__ import annotations
