@@ -264,7 +264,8 @@ def main_transports(out: str) -> None:
     print()
     print(f"{report['device']} x{gpus}: exchange alone, CUPTI us per call and device (median of "
           f"{ITERATIONS})")
-    print("| tp | B | allgather (XLA) | peer (Mosaic GPU + collect) | gather (jax-triton) | peer / allgather |")
+    print("| tp | B | allgather (XLA) | peer (Mosaic GPU + collect) | gather (jax-triton) "
+          "| peer / allgather |")
     print("| --- | --- | --- | --- | --- | --- |")
     for row in report["transports"]:
         gather = f"{row['gather_us']:.2f}" if "gather_us" in row else "-"
