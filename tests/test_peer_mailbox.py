@@ -118,6 +118,29 @@ def test_peer_publish_lowers_for_h200s_with_collective_metadata(cfg):
     no_multicast_or_nvshmem(call)
 
 
+def test_a_peer_ref_on_one_device_would_need_nvshmem():
+    """Why the tp = 1 kernel stores through its own operand: outside a multi-device mesh Mosaic GPU
+    translates ``remote_ref`` with ``nvshmem_ptr`` (NVSHMEM and its symmetric heap), not with XLA's
+    collective metadata."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
+
+    def body(x_ref, o_ref):
+        plgpu.remote_ref(o_ref, {"x": 0})[...] = x_ref[...]
+
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((256,), jnp.int32), grid=(1,),
+                          grid_names=("b",), compiler_params=params)
+    run = jax.shard_map(kernel, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    x = jnp.arange(256, dtype=jnp.int32)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(run).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    [call] = mosaic_calls(text)
+    assert "uses_xla_collective_metadata = false" in backend_config(call)
+    assert "nvshmem_ptr" in call
+
+
 # ---- CPU: the transport's arguments -----------------------------------------------------------------
 
 
