@@ -12,14 +12,27 @@ Three weight copies (3 x 64 MB, over the 60 MB L2) and three inputs rotate; no i
 measured: how long a collect on a never-published mailbox takes to return its timeout status.
 ``--variants`` first sweeps the kernels' block size (chunks per program, warps).
 
+``--transports`` times instead the exchange alone per transport (issue 9), for tp = 1 and every power
+of two up to the GPU count, at B in {1, 8, 64}, with shards of Kimi-K3 sizes, on a ``"tp"`` mesh:
+
+- ``allgather``: ``parallel.exchange`` under ``jax.shard_map``, the XLA all-gather of the packed rows
+  (NCCL across GPUs) and its unpacking;
+- ``peer``: ``mailbox.exchange(..., transport="peer")``, the Mosaic GPU peer-store publish into every
+  rank's mailbox and the collect, mailboxes threaded and donated as in a decode loop;
+- ``gather`` (tp = 1 only): the default transport, the jax-triton publish and the collect.
+
+Times are CUPTI's summed kernel time per call divided by tp (the mean device time of one call, waits
+for peers included).
+
 Run on the lent GPU (see HELPERS.md):
   cd .stage/mailbox && WHEELS=$PWD/../../.whl source benchmarks/gpu_env.sh &&
-  python3 benchmarks/bench_mailbox.py --out $OUT [--variants]
+  python3 benchmarks/bench_mailbox.py --out $OUT [--variants | --transports]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -27,6 +40,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import moe_front_jax as mf
 from moe_front_jax.bridge import mailbox as mb
@@ -36,8 +50,12 @@ COPIES = 3
 ITERATIONS = 60
 
 
-def kernel_times(launch, iterations: int) -> list[list[tuple[str, float]]]:
+def kernel_times(
+    launch, iterations: int, allow_none: bool = False
+) -> list[list[tuple[str, float]]]:
     """CUPTI ``(kernel name, ms)`` of each of ``iterations`` calls ``launch(0), launch(1), ...``.
+
+    ``allow_none``: a call that launches no kernel at all (XLA folded it away) gives empty lists.
 
     ``profiler.measure`` repeats one set of arguments, which a donated mailbox does not survive (the
     first call deletes its buffer): this is measure's loop, with ``launch`` threading the state.
@@ -53,6 +71,8 @@ def kernel_times(launch, iterations: int) -> list[list[tuple[str, float]]]:
     finally:
         timings = ext._cupti_get_timings(True)
     per_call, rest = divmod(len(timings), iterations)
+    if allow_none and not timings:
+        return [[] for _ in range(iterations)]
     if rest or not per_call:
         raise RuntimeError(f"{len(timings)} kernels over {iterations} calls")
     return [timings[i * per_call:(i + 1) * per_call] for i in range(iterations)]
@@ -161,13 +181,111 @@ def sweep_variants(cfg, params) -> list[dict]:
     return rows
 
 
+TRANSPORT_BATCHES = (1, 8, 64)
+
+
+def bench_transports(tp: int, batch: int) -> dict:
+    """Exchange-only time per transport at ``tp`` ranks of Kimi-K3 and ``batch`` rows."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from moe_front_jax import parallel
+
+    cfg = mf.KIMI_K3.with_tp(tp)
+    mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
+    ranks = NamedSharding(mesh, P("tp"))
+    shards = []
+    for i in range(COPIES):
+        key = jax.random.key(300 + i)
+        logits = jax.random.normal(key, (tp, batch, cfg.experts_per_rank), jnp.float32)
+        latent = jax.random.normal(key, (tp, batch, cfg.latent_per_rank)).astype(jnp.bfloat16)
+        shards.append(jax.device_put((logits, latent), ranks))
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))
+    def allgather(logits, latent):
+        got_logits, got_latent = parallel.exchange(logits[0], latent[0], "tp")
+        return got_logits[None], got_latent[None]
+
+    def mailbox_step(transport):
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        @functools.partial(
+            jax.shard_map, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False
+        )
+        def step(buffers, controls, logits, latent):
+            box = mf.Mailbox(buffers[0], controls[0], cfg)
+            got_logits, got_latent, status, box = mb.exchange(
+                box, logits[0], latent[0], axis_name="tp", transport=transport
+            )
+            return box.buffer[None], box.control[None], got_logits[None], got_latent[None], status[None]
+
+        one = mf.Mailbox.create(cfg, capacity=max(TRANSPORT_BATCHES))
+        state = dict(
+            buffers=jax.device_put(jnp.stack([one.buffer] * tp), ranks),
+            controls=jax.device_put(jnp.stack([one.control] * tp), ranks),
+            statuses=[],
+        )
+
+        def launch(i):
+            state["buffers"], state["controls"], *out, status = step(
+                state["buffers"], state["controls"], *shards[i % COPIES]
+            )
+            state["statuses"].append(status)
+            return out
+
+        return launch, state
+
+    def per_device_us(calls) -> float:
+        return statistics.median(sum(ms for _, ms in call) for call in calls) * 1e3 / tp
+
+    row = dict(tp=tp, batch=batch, gathered_bytes=batch * (2 * cfg.latent + 4 * cfg.experts))
+    calls = kernel_times(lambda i: allgather(*shards[i % COPIES]), ITERATIONS, allow_none=True)
+    row["allgather_us"] = per_device_us(calls)
+    row["allgather_kernels"] = sorted({name[:48] for call in calls for name, _ in call})
+    for transport in ("peer", "gather") if tp == 1 else ("peer",):
+        launch, state = mailbox_step(transport)
+        calls = kernel_times(launch, ITERATIONS)
+        statuses = {int(s) for status in state["statuses"] for s in np.asarray(status)}
+        if statuses != {0}:
+            raise RuntimeError(f"tp={tp} B={batch} {transport}: statuses {statuses}, expected 0")
+        row[f"{transport}_us"] = per_device_us(calls)
+        row[f"{transport}_kernels"] = sorted({name[:48] for call in calls for name, _ in call})
+    print("transports", row, flush=True)
+    return row
+
+
+def main_transports(out: str) -> None:
+    gpus = len(jax.devices())
+    tps = [tp for tp in (1, 2, 4, 8, 16) if tp <= gpus]
+    report = dict(device=jax.devices()[0].device_kind, gpus=gpus, jax=jax.__version__)
+    report["transports"] = [bench_transports(tp, b) for tp in tps for b in TRANSPORT_BATCHES]
+    with open(os.path.join(out, "bench_transports.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print()
+    print(f"{report['device']} x{gpus}: exchange alone, CUPTI us per call and device (median of "
+          f"{ITERATIONS})")
+    print("| tp | B | allgather (XLA) | peer (Mosaic GPU + collect) | gather (jax-triton) "
+          "| peer / allgather |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for row in report["transports"]:
+        gather = f"{row['gather_us']:.2f}" if "gather_us" in row else "-"
+        ratio = row["peer_us"] / row["allgather_us"] if row["allgather_us"] else float("inf")
+        print(f"| {row['tp']} | {row['batch']} | {row['allgather_us']:.2f} | {row['peer_us']:.2f} | "
+              f"{gather} | {ratio:.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--variants", action="store_true", help="sweep the kernels' block size first")
+    parser.add_argument("--transports", action="store_true",
+                        help="time only the exchange per transport (allgather, peer, gather)")
     args = parser.parse_args()
     cfg = mf.KIMI_K3
     print(jax.devices()[0].device_kind, "jax", jax.__version__, flush=True)
+    if args.transports:
+        main_transports(args.out)
+        return
     params = [
         mf.pack_params(mf.init_weights(jax.random.key(i), cfg, shared=False), cfg) for i in range(COPIES)
     ]

@@ -48,7 +48,7 @@ out. That never erases a value of a later step:
    kernels never trigger programmatic dependent launch, so the next kernel starts only after this one
    has finished and its stores are visible), so no value of step t+1 exists while step t is re-armed.
    One generation would suffice.
-2. Across ranks (the peer-store publish of the multi-GPU issue): rank ``r`` writes into rank ``s``'s
+2. Across ranks (the peer-store publish, ``peer_mailbox``): rank ``r`` writes into rank ``s``'s
    generation ``g`` again only at step ``t + G``. Rank ``r`` issues publish(t+G) after its
    collect(t+G-1) has seen every rank's publish(t+G-1), including ``s``'s; ``s`` issues publish(t+G-1)
    after its collect(t), re-arm included, has completed, provided ``t + G - 1 >= t + 1``, that is
@@ -74,6 +74,12 @@ the programs of a later wave do not each spin to the limit.
 Backends: ``"auto"`` runs the jax-triton kernels of ``triton_mailbox`` on a GPU (imported only then:
 jax-triton 0.3.1 cannot be imported without a GPU jaxlib) and this module's plain JAX elsewhere;
 ``"pallas"`` asks for the kernels; ``"xla"`` and ``"interpret"`` run the plain-JAX protocol.
+
+Transports (``exchange``'s ``transport``): ``"gather"`` (the default) gathers the ranks' shards with
+one XLA all-gather and publishes them locally (with the GPU kernels: tp = 1 only); ``"peer"`` runs the
+peer-store publish of ``peer_mailbox`` (a Mosaic GPU kernel: each rank stores its words straight into
+every rank's mailbox) and then the kernels' collect. ``"peer"`` needs the GPU kernels; under plain JAX
+``"gather"`` states the same words.
 """
 
 from __future__ import annotations
@@ -249,6 +255,29 @@ def _kernels():
     return triton_mailbox
 
 
+TRANSPORTS = ("gather", "peer")
+"""How ``exchange`` carries the shards to every rank (module docstring)."""
+
+
+def _peer_exchange(mailbox: Mailbox, logits, latent_shard, axis_name, backend: str):
+    """``exchange`` by peer stores: the Mosaic GPU publish into every rank's mailbox, then collect."""
+    cfg = mailbox.cfg
+    if cfg.tp > 1 and mailbox.generations < 2:
+        raise ValueError(
+            f"transport='peer' over tp={cfg.tp} ranks needs generations >= 2 (a fast rank's next "
+            f"step must land in another generation), got {mailbox.generations}"
+        )
+    if not _use_kernels(backend):
+        raise NotImplementedError(
+            f"transport='peer' stores through GPU peer pointers and needs the GPU kernels, got "
+            f"backend={backend!r} on {jax.default_backend()}; use transport='gather'"
+        )
+    from moe_front_jax.bridge import peer_mailbox
+
+    mailbox, status = peer_mailbox.publish(mailbox, logits, latent_shard, axis_name)
+    return _kernels().collect(mailbox, logits.shape[0], status)
+
+
 def logits_to_words(logits: jax.Array) -> jax.Array:
     """float32 ``[B, n]`` logits as canonical words ``[B, n]`` uint32 (-0.0 becomes +0.0)."""
     words = lax.bitcast_convert_type(logits, jnp.uint32)
@@ -361,7 +390,9 @@ def collect(
     return logits, latent, status, Mailbox(buffer, control, cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("axis_name", "backend"), donate_argnames="mailbox")
+@functools.partial(
+    jax.jit, static_argnames=("axis_name", "backend", "transport"), donate_argnames="mailbox"
+)
 def exchange(
     mailbox: Mailbox,
     logits: jax.Array,
@@ -369,6 +400,7 @@ def exchange(
     *,
     axis_name: str | None = None,
     backend: str = "auto",
+    transport: str = "gather",
 ) -> tuple[jax.Array, jax.Array, jax.Array, Mailbox]:
     """One step through the mailbox: every rank publishes its shard, then this rank collects.
 
@@ -379,10 +411,11 @@ def exchange(
       mailbox: the ``Mailbox`` (armed).
       logits: ``[B, E/tp]`` float32, this rank's router logits.
       latent_shard: ``[B, L/tp]`` bfloat16, this rank's latent columns.
-      axis_name: with tp > 1, the mesh axis of the ranks (inside ``shard_map``): the shards are
-        gathered over it and each rank's shard is published at its columns, as if every rank stored
-        into every rank's mailbox. None for tp = 1.
+      axis_name: with tp > 1, the mesh axis of the ranks (inside ``shard_map``). ``"gather"``
+        gathers the shards over it and publishes each rank's shard at its columns, as if every rank
+        stored into every rank's mailbox; ``"peer"`` does store so. None for tp = 1.
       backend: see the module docstring.
+      transport: ``"gather"`` or ``"peer"`` (module docstring).
 
     Returns:
       ``(logits [B, E] float32, latent [B, L] bfloat16, status int32 scalar, mailbox)`` as
@@ -390,18 +423,29 @@ def exchange(
 
     Raises:
       ValueError: a wrong shape, dtype or mailbox, a batch over its capacity, tp > 1 without
-        ``axis_name``, or an ``axis_name`` whose size is not tp.
-      NotImplementedError: ``axis_name`` with the GPU kernels (the cross-GPU publish arrives with the
-        multi-GPU issue; use backend="xla").
+        ``axis_name``, an ``axis_name`` whose size is not tp, an unknown ``transport``, or
+        ``"peer"`` over tp > 1 with fewer than 2 generations.
+      NotImplementedError: ``"gather"`` with ``axis_name`` and the GPU kernels (use ``"peer"``, or
+        backend="xla"), or ``"peer"`` without the GPU kernels.
     """
     cfg = mailbox_config(mailbox)
     batch = _check_shard("logits", logits, None, cfg.experts_per_rank, jnp.float32)
     check_mailbox(mailbox, cfg, batch)
-    if axis_name is None:
-        if cfg.tp != 1:
-            raise ValueError(
-                f"the mailbox is for tp={cfg.tp} ranks: pass axis_name, the mesh axis of the ranks"
-            )
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if axis_name is None and cfg.tp != 1:
+        raise ValueError(
+            f"the mailbox is for tp={cfg.tp} ranks: pass axis_name, the mesh axis of the ranks"
+        )
+    if axis_name is not None and lax.axis_size(axis_name) != cfg.tp:
+        raise ValueError(
+            f"axis_name={axis_name!r} has {lax.axis_size(axis_name)} ranks, but the mailbox is "
+            f"for tp={cfg.tp}"
+        )
+    if transport == "peer":
+        _check_shard("latent_shard", latent_shard, batch, cfg.latent_per_rank, jnp.bfloat16)
+        return _peer_exchange(mailbox, logits, latent_shard, axis_name, backend)
+    if cfg.tp == 1:
         if _use_kernels(backend):
             _check_shard("latent_shard", latent_shard, batch, cfg.latent_per_rank, jnp.bfloat16)
             kernels = _kernels()
@@ -411,14 +455,10 @@ def exchange(
     else:
         if _use_kernels(backend):
             raise NotImplementedError(
-                "the cross-GPU mailbox publish arrives with the multi-GPU issue; use backend='xla'"
+                "transport='gather' publishes locally with the GPU kernels (tp=1); across GPUs use "
+                "transport='peer', or backend='xla'"
             )
         _check_shard("latent_shard", latent_shard, batch, cfg.latent_per_rank, jnp.bfloat16)
-        if lax.axis_size(axis_name) != cfg.tp:
-            raise ValueError(
-                f"axis_name={axis_name!r} has {lax.axis_size(axis_name)} ranks, but the mailbox is "
-                f"for tp={cfg.tp}"
-            )
         every_logits = lax.all_gather(logits, axis_name)
         every_latent = lax.all_gather(latent_shard, axis_name)
         for rank in range(cfg.tp):
