@@ -71,12 +71,6 @@ On the GPU the status is one word: publish writes 0 into it, and a collect progr
 writes ``TIMEOUT``; the other programs read it while they poll and stop at once when it is set, so
 the programs of a later wave do not each spin to the limit.
 
-The front product. ``exchange_product`` takes XLA's float32 front product ``[B, n]`` instead of the
-logits and latent that ``reference.front_gemm`` slices from it (two copy kernels): its GPU publish
-reads the logit columns and rounds the latent columns to bfloat16 itself, with the instruction XLA's
-convert lowers to, so the words, and everything after them, are the same bits. ``moe_front`` takes
-this path whenever its front GEMM is XLA's.
-
 Backends: ``"auto"`` runs the jax-triton kernels of ``triton_mailbox`` on a GPU (imported only then:
 jax-triton 0.3.1 cannot be imported without a GPU jaxlib) and this module's plain JAX elsewhere;
 ``"pallas"`` asks for the kernels; ``"xla"`` and ``"interpret"`` run the plain-JAX protocol.
