@@ -93,7 +93,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from moe_front_jax import backends, reference
+from moe_front_jax import backends
 from moe_front_jax.config import FrontConfig
 
 SENTINEL = 0x80000000
@@ -464,50 +464,3 @@ def exchange(
         for rank in range(cfg.tp):
             mailbox = publish(mailbox, every_logits[rank], every_latent[rank], rank, backend=backend)
     return collect(mailbox, batch, backend=backend)
-
-
-@functools.partial(jax.jit, static_argnames=("split", "backend"), donate_argnames="mailbox")
-def exchange_product(
-    mailbox: Mailbox, product: jax.Array, split: int, *, backend: str = "auto"
-) -> tuple[jax.Array, jax.Array, jax.Array, Mailbox]:
-    """``exchange`` (tp = 1) of the front GEMM's float32 product instead of its logits and latent.
-
-    ``reference.front_gemm`` slices XLA's product into the logits and the bfloat16 latent with two
-    copy kernels; the mailbox's GPU publish reads both straight from the product (and rounds the
-    latent columns itself), so on the mailbox path those two kernels do not run. Elsewhere the product
-    is sliced (``reference.product_shards``) and passed to ``exchange``. Same outputs as
-    ``exchange(mailbox, *reference.product_shards(product, split, E))``, bit for bit.
-
-    Args:
-      mailbox: the ``Mailbox`` (armed), for tp = 1.
-      product: ``[B, n]`` float32, ``reference.front_product`` of the packed weight.
-      split: the packed weight's first latent row (``FrontParams.split``); ``n - split`` is ``L``.
-      backend: see the module docstring.
-
-    Returns:
-      ``(logits [B, E] float32, latent [B, L] bfloat16, status int32 scalar, mailbox)`` as
-      ``collect`` returns them.
-
-    Raises:
-      ValueError: a wrong product shape or dtype, a ``split`` that does not leave ``L`` latent columns
-        after ``E`` logits, a mailbox for tp > 1, or a batch over its capacity.
-    """
-    cfg = mailbox_config(mailbox)
-    shape = getattr(product, "shape", None)
-    if shape is None or len(shape) != 2 or product.dtype != jnp.float32 or shape[0] < 1:
-        got = shape if shape is None else f"{tuple(shape)} {product.dtype}"
-        raise ValueError(f"product must be [B >= 1, n] float32, got {got}")
-    if cfg.tp != 1:
-        raise ValueError(f"exchange_product carries one device's product (tp=1), got tp={cfg.tp}")
-    if not isinstance(split, int) or split < cfg.experts or shape[1] - split != cfg.latent:
-        raise ValueError(
-            f"split={split!r} must leave latent={cfg.latent} columns of the product's {shape[1]} "
-            f"after the {cfg.experts} logits"
-        )
-    check_mailbox(mailbox, cfg, shape[0])
-    if _use_kernels(backend):
-        kernels = _kernels()
-        mailbox, status = kernels.publish_product(mailbox, product, split)
-        return kernels.collect(mailbox, shape[0], status)
-    logits, latent = reference.product_shards(product, split, cfg.experts)
-    return exchange(mailbox, logits, latent, backend=backend)

@@ -89,47 +89,6 @@ def mailbox_publish(
 
 
 @triton.jit
-def mailbox_publish_product(
-    buffer_in,
-    control_in,
-    product,
-    buffer,
-    control,
-    status,
-    CAPACITY: tl.constexpr,
-    ROW_WORDS: tl.constexpr,
-    LATENT_WORDS: tl.constexpr,
-    EXPERTS: tl.constexpr,
-    GENERATIONS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    COLUMNS: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    # ``mailbox_publish`` of the front GEMM's float32 product ``[B, COLUMNS]``: the logits are its
-    # columns ``[0, EXPERTS)``, the latent its columns ``[SPLIT, COLUMNS)`` rounded to bfloat16 here
-    # (``cvt.rn.bf16.f32``, the instruction XLA's convert lowers to), two columns a word.
-    block, row = tl.program_id(0), tl.program_id(1)
-    generation = (tl.load(control) + 1) % GENERATIONS
-    chunk = block * BLOCK + tl.arange(0, BLOCK)
-    word = chunk[:, None] * 4 + tl.arange(0, 4)[None, :]
-    in_latent = word < LATENT_WORDS
-    in_logits = (word >= LATENT_WORDS) & (word < LATENT_WORDS + EXPERTS)
-    base = product + row.to(tl.int64) * COLUMNS
-    column = chunk[:, None] * 8 + tl.arange(0, 8)[None, :]
-    pairs = tl.load(base + SPLIT + column, mask=column < 2 * LATENT_WORDS, other=0.0)
-    low, high = tl.split(tl.reshape(pairs, (BLOCK, 4, 2)))
-    low = low.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
-    high = high.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
-    from_logits = tl.load(base + (word - LATENT_WORDS), mask=in_logits, other=0.0)
-    from_logits = from_logits.to(tl.uint32, bitcast=True)
-    words = _canonical(tl.where(in_latent, low | (high << 16), from_logits), in_latent)
-    cell = buffer + (generation * CAPACITY + row).to(tl.int64) * ROW_WORDS + word
-    tl.store(cell, words, mask=in_latent | in_logits)
-    tl.store(control + 1, generation)
-    tl.store(status, 0)
-
-
-@triton.jit
 def mailbox_collect(
     buffer_in,
     control_in,
@@ -221,38 +180,6 @@ def publish(
         name="mailbox_publish",
         CAPACITY=mailbox.capacity,
         GENERATIONS=mailbox.generations,
-        **layout(cfg),
-    )
-    return mb.Mailbox(buffer, control, cfg), status
-
-
-def publish_product(
-    mailbox: mb.Mailbox, product: jax.Array, split: int
-) -> tuple[mb.Mailbox, jax.Array]:
-    """``publish`` (tp = 1) of the front product ``[B, n]`` float32: its logits columns ``[0, E)`` and
-    its latent columns ``[split, n)``, rounded to bfloat16 by the kernel, so that no slice or cast
-    kernel runs before it. Arguments are checked by ``mailbox.exchange_product``."""
-    import jax_triton as jt
-
-    cfg = mailbox.cfg
-    buffer, control, status = jt.triton_call(
-        mailbox.buffer,
-        mailbox.control,
-        product,
-        kernel=mailbox_publish_product,
-        out_shape=(
-            jax.ShapeDtypeStruct(mailbox.buffer.shape, mailbox.buffer.dtype),
-            jax.ShapeDtypeStruct(mailbox.control.shape, mailbox.control.dtype),
-            jax.ShapeDtypeStruct((), jnp.int32),
-        ),
-        grid=grid(cfg, product.shape[0]),
-        input_output_aliases={0: 0, 1: 1},
-        num_warps=NUM_WARPS,
-        name="mailbox_publish_product",
-        CAPACITY=mailbox.capacity,
-        GENERATIONS=mailbox.generations,
-        COLUMNS=product.shape[1],
-        SPLIT=split,
         **layout(cfg),
     )
     return mb.Mailbox(buffer, control, cfg), status

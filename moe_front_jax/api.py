@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_front_jax import backends, parallel, reference
+from moe_front_jax import backends, parallel
 from moe_front_jax.bridge import mailbox as mailboxes
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import FrontParams
@@ -157,20 +157,11 @@ def moe_front(
         logits, latent, planned = gemm(
             x, params.packed, params.split, cfg.experts_per_rank, cfg.plan_block
         )
-    elif mailbox is not None and backends.stage("front_gemm", backend) is reference.front_gemm:
-        # XLA's dot writes one [B, n] product; the mailbox's publish reads the logits and rounds the
-        # latent straight from it, so no slice or cast kernel runs between them.
-        product = reference.front_product(x, params.packed)
-        logits, latent, status, mailbox = mailboxes.exchange_product(
-            mailbox, product, params.split, backend=backend
-        )
     else:
         gemm = backends.stage("front_gemm", backend)
         logits, latent = gemm(x, params.packed, params.split, cfg.experts_per_rank)
-        if mailbox is not None:
-            logits, latent, status, mailbox = mailboxes.exchange(
-                mailbox, logits, latent, backend=backend
-            )
+    if mailbox is not None:
+        logits, latent, status, mailbox = mailboxes.exchange(mailbox, logits, latent, backend=backend)
     ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
     shared = None
     if params.has_shared:

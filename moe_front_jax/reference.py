@@ -35,19 +35,8 @@ def front_gemm(
       ``logits`` ``[B, valid]`` float32 and ``latent_shard`` ``[B, n - split]`` bfloat16, both from one
       float32-accumulated product ``x @ packed.T``.
     """
-    return product_shards(front_product(x, packed), split, valid)
-
-
-def front_product(x: jax.Array, packed: jax.Array) -> jax.Array:
-    """``x @ packed.T``: ``[B, H]`` bfloat16 by ``[n, H]`` bfloat16, float32 accumulation, ``[B, n]``
-    float32 (the product ``front_gemm`` slices)."""
-    return lax.dot_general(x, packed, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def product_shards(product: jax.Array, split: int, valid: int) -> tuple[jax.Array, jax.Array]:
-    """``(logits, latent_shard)`` of a front product ``[B, n]`` float32: columns ``[0, valid)`` as they
-    are, columns ``[split, n)`` rounded to bfloat16 (nearest even)."""
-    return product[:, :valid], product[:, split:].astype(jnp.bfloat16)
+    y = lax.dot_general(x, packed, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y[:, :valid], y[:, split:].astype(jnp.bfloat16)
 
 
 def front_gemm_plan(

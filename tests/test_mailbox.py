@@ -355,7 +355,7 @@ def test_lowered_program_aliases_the_mailbox(small_params):
 
 
 def test_triton_kernels_compile_for_h200_with_16_byte_volatile_loads(monkeypatch, tmp_path):
-    """Triton alone (no jax-triton, no GPU) compiles the kernels for sm_90, with jax-triton's
+    """Triton alone (no jax-triton, no GPU) compiles both kernels for sm_90, with jax-triton's
     signature: pointers of the inputs, then of the outputs (the aliased ones again), then constexprs."""
     triton = pytest.importorskip("triton")
     # Importing jax_triton (earlier tests on a GPU) sets TRITON_CACHE_DIR to "", where Triton's own
@@ -371,10 +371,6 @@ def test_triton_kernels_compile_for_h200_with_16_byte_volatile_loads(monkeypatch
         tm.mailbox_publish: (
             ["*u32", "*i32", "*fp32", "*bf16", "*u32", "*i32", "*i32"], dict(sizes, GENERATIONS=3)
         ),
-        tm.mailbox_publish_product: (
-            ["*u32", "*i32", "*fp32", "*u32", "*i32", "*i32"],
-            dict(sizes, GENERATIONS=3, COLUMNS=4608, SPLIT=1024),
-        ),
         tm.mailbox_collect: (
             ["*u32", "*i32", "*i32", "*u32", "*i32", "*bf16", "*fp32", "*i32"],
             dict(sizes, SPIN=tm.SPIN_LIMIT, TIMEOUT=mf.Mailbox.TIMEOUT),
@@ -389,60 +385,10 @@ def test_triton_kernels_compile_for_h200_with_16_byte_volatile_loads(monkeypatch
         target = GPUTarget("cuda", 90, 32)
         compiled = triton.compile(source, target=target, options=dict(num_warps=tm.NUM_WARPS))
         ptx[kernel.__name__] = compiled.asm["ptx"]
-    for name in ("mailbox_publish", "mailbox_publish_product"):
-        assert "ld.global.v4.b32" in ptx[name]
-        assert "st.global.v4.b32" in ptx[name]
-    assert "cvt.rn.bf16" in ptx["mailbox_publish_product"]
+    assert "ld.global.v4.b32" in ptx["mailbox_publish"]
+    assert "st.global.v4.b32" in ptx["mailbox_publish"]
     assert "ld.volatile.global.v4.b32" in ptx["mailbox_collect"]
     assert "st.global.v4.b32" in ptx["mailbox_collect"]
-
-
-def product_with_specials(cfg, batch, seed):
-    """A float32 front product ``[B, E + 6 + L]`` (six padding columns between logits and latent)
-    holding -0, subnormals, infinities, NaN and bfloat16 rounding ties among random values."""
-    rng = np.random.default_rng(seed)
-    product = rng.normal(size=(batch, cfg.experts + 6 + cfg.latent)).astype(np.float32)
-    specials = np.array(
-        [-0.0, 0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-40, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8,
-         -(1.0 + 2.0**-8), 3.4e38, -3.4e38],
-        np.float32,
-    )
-    product[0, : specials.size] = specials
-    product[0, -specials.size:] = specials
-    product[-1, cfg.experts + 6:] = -0.0
-    return jnp.asarray(product)
-
-
-@pytest.mark.parametrize("cfg", [SMALL, mf.KIMI_K3], ids=["small", "k3"])
-def test_exchange_product_equals_exchange_of_the_slices(cfg):
-    split = cfg.experts + 6
-    box = mf.Mailbox.create(cfg, capacity=8)
-    plain = mf.Mailbox.create(cfg, capacity=8)
-    for t in range(2):
-        product = product_with_specials(cfg, 5, seed=t)
-        logits = np.asarray(product)[:, : cfg.experts]
-        latent = np.asarray(product)[:, split:].astype(ml_dtypes.bfloat16)
-        *got, box = mb.exchange_product(box, product, split)
-        *want, plain = mb.exchange(plain, jnp.asarray(logits), jnp.asarray(latent))
-        for g, w in zip(got, want):
-            assert_bits_equal(g, w)
-        assert_bits_equal(got[0], canonical_logits(logits))
-        assert_bits_equal(got[1], canonical_latent(latent))
-        assert_armed(box, t + 1)
-
-
-def test_exchange_product_rejects_bad_arguments():
-    box = mf.Mailbox.create(SMALL, capacity=4)
-    product = product_with_specials(SMALL, 2, seed=0)
-    split = SMALL.experts + 6
-    with pytest.raises(ValueError, match=r"product must be \[B >= 1, n\] float32"):
-        mb.exchange_product(box, product.astype(jnp.bfloat16), split)
-    with pytest.raises(ValueError, match="must leave latent=34 columns"):
-        mb.exchange_product(box, product, split + 2)
-    with pytest.raises(ValueError, match="over the mailbox capacity"):
-        mb.exchange_product(box, jnp.concatenate([product] * 3), split)
-    with pytest.raises(ValueError, match="one device's product"):
-        mb.exchange_product(mf.Mailbox.create(TP2, capacity=4), product, split)
 
 
 # ---- GPU: the jax-triton kernels on the lent H200 ------------------------------------------------
@@ -490,24 +436,6 @@ def test_gpu_kernels_match_the_plain_jax_protocol(cfg):
         assert_armed(box, t + 1)
         assert_bits_equal(got[0], canonical_logits(shards[0]))
         assert_bits_equal(got[1], canonical_latent(shards[1]))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [mf.KIMI_K3, SMALL], ids=["k3", "small"])
-def test_gpu_publish_of_the_product_matches_the_plain_jax_exchange(cfg):
-    """The kernel that publishes straight from the float32 product (rounding the latent itself)
-    returns the bits of the plain-JAX exchange of XLA's slices, specials and rounding ties included."""
-    split = cfg.experts + 6
-    box = mf.Mailbox.create(cfg, capacity=256)
-    plain = mf.Mailbox.create(cfg, capacity=256)
-    for t, batch in enumerate([1, 7, 256, 64]):
-        product = product_with_specials(cfg, batch, seed=t)
-        *got, box = mb.exchange_product(box, product, split, backend="pallas")
-        *want, plain = mb.exchange_product(plain, product, split, backend="xla")
-        for g, w in zip(got, want):
-            assert_bits_equal(g, w)
-        assert int(got[2]) == 0
-        assert_armed(box, t + 1)
 
 
 @pytest.mark.gpu
