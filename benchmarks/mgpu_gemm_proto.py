@@ -1,6 +1,9 @@
 """Prototype: a Mosaic GPU (``plgpu.kernel``) weight-streaming front GEMM, timed beside XLA and Triton.
 
-  python benchmarks/mgpu_gemm_proto.py --out $OUT          (GPU: check + CUPTI timing)
+  python benchmarks/mgpu_gemm_proto.py --reduce direct --baselines --out $OUT   (GPU: check + time)
+  python benchmarks/mgpu_gemm_proto.py --reduce xla --out $OUT        (one process per reduction,
+  python benchmarks/mgpu_gemm_proto.py --reduce sem --out $OUT         so a hang costs only its own)
+  python benchmarks/mgpu_gemm_proto.py --table --out $OUT             (merge the JSON, print tables)
   python benchmarks/mgpu_gemm_proto.py --lower-only        (CPU host: lower every variant for an H200)
 
 Computes ``y[B, n] = x[B, K] @ W[n, K]^T`` (bf16 in, float32 accumulation) for the packed front
@@ -282,13 +285,13 @@ SHAPES = {1: (896, 3584), 8: (112, 448)}  # tp -> (valid, shard) for K3, hidden 
 HIDDEN = 7168
 
 
-def variants(tp: int) -> list[Config]:
-    """The schedules the run times: K splits that put the 9 (tp8) or 70 (tp1) row tiles on all 132
-    SMs, stages of 64 or 128 columns, and the three reductions (xla, sem first: direct last)."""
-    splits, stages = {1: ((2, 4), ((64, 8), (128, 4), (128, 6))),
-                      8: ((7, 14, 28), ((64, 8), (128, 4)))}[tp]
+def variants(tp: int, reduces=("xla", "sem", "direct")) -> list[Config]:
+    """The schedules the run times: K splits that put the 9 (tp8) or 70 (tp1) row tiles on the 132
+    SMs (tp8: 63 or 126 CTAs; tp1: 140 or 280), 64- or 128-column stages, ring depth 4-8."""
+    schedules = {1: ((128, 4, 2), (128, 6, 2), (128, 4, 4)),
+                 8: ((128, 4, 7), (128, 4, 14), (64, 8, 14))}[tp]
     return [Config(block_k, depth, s, reduce)
-            for reduce in ("xla", "sem", "direct") for s in splits for block_k, depth in stages]
+            for reduce in reduces for block_k, depth, s in schedules]
 
 
 def lower_only(tps, batches) -> None:
@@ -314,26 +317,17 @@ def lower_only(tps, batches) -> None:
     print(f"{failures} failures")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--tps", default="1,8")
-    parser.add_argument("--batches", default="1,8,64")
-    parser.add_argument("--lower-only", action="store_true")
-    args = parser.parse_args()
-    tps, batches = list(map(int, args.tps.split(","))), list(map(int, args.batches.split(",")))
-    if args.lower_only:
-        return lower_only(tps, batches)
-
-    import concurrent.futures
-
-    from front_gemm_timing import Shape, cupti_us_per_call, decode_rows, packed_weights, tbs, xla_dot
+def measure(tps, batches, reduces, baselines: bool, out: str) -> None:
+    """Check and time every variant of ``reduces`` (and XLA's dot and the Triton kernel when
+    ``baselines``) at each (tp, B); rows go to ``out/mgpu_gemm_proto_<reduces>.json`` as they finish."""
+    from front_gemm_timing import Shape, cupti_us_per_call, decode_rows, packed_weights, xla_dot
 
     from moe_front_jax.pallas import front_gemm as fg
 
     device = jax.devices()[0]
-    print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)
-    os.makedirs(args.out, exist_ok=True)
+    start = time.time()
+    print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), reduces, flush=True)
+    path = os.path.join(out, f"mgpu_gemm_proto_{'_'.join(reduces)}.json")
     rows, errors = [], []
     for tp in tps:
         shape = Shape.k3(tp)
@@ -343,29 +337,20 @@ def main() -> None:
             x = decode_rows(batch, shape.hidden)
             exact = np.asarray(x, np.float64) @ np.asarray(w0, np.float64).T
             want_logits, want_latent = exact[:, : shape.valid], exact[:, shape.split:]
-            fns = {
-                "xla_dot": xla_dot,
-                "triton": lambda x, w: fg.front_gemm(x, w, shape.split, shape.valid),
-            }
-            for cfg in variants(tp):
+            fns = {}
+            if baselines:
+                fns["xla_dot"] = xla_dot
+                fns["triton"] = lambda x, w: fg.front_gemm(x, w, shape.split, shape.valid)
+            for cfg in variants(tp, reduces):
                 fns[f"{cfg}"] = functools.partial(front_gemm, split=shape.split, valid=shape.valid,
                                                   cfg=cfg)
-                if cfg.reduce != "direct":
+                if cfg.reduce == "xla":
                     fns[f"{cfg}:gemm"] = functools.partial(gemm_t, cfg=cfg)
-
-            def compile_one(fn):
-                try:
-                    return jax.jit(fn).lower(x, w0).compile()
-                except Exception as e:  # a variant that fails to compile is reported, not fatal
-                    return e
-
-            with concurrent.futures.ThreadPoolExecutor(16) as pool:
-                compiled = dict(zip(fns, pool.map(compile_one, fns.values())))
             row = dict(tp=tp, batch=batch, floor_us=shape.floor_us())
-            for name, fn in compiled.items():
+            for name, fn in fns.items():
+                t0 = time.time()
                 try:
-                    if isinstance(fn, Exception):
-                        raise fn
+                    fn = jax.jit(fn).lower(x, w0).compile()
                     if ":" not in name and name != "xla_dot":
                         logits, latent = jax.block_until_ready(fn(x, w0))
                         err = float(np.max(np.abs(np.asarray(logits, np.float64) - want_logits))
@@ -380,51 +365,90 @@ def main() -> None:
                         if not row[name + ":ok"]:
                             errors.append(f"tp{tp} B={batch} {name}: logits rel {err:.2e}, latent "
                                           f"{ulp:.2f} ulp")
+                    t1 = time.time()
                     row[name], kernels = cupti_us_per_call(fn, x, weights)
                     row[name + ":kernels"] = kernels
+                    print(f"  [{time.time() - start:5.1f}s] tp{tp} B={batch} {name}: {row[name]:.2f} us"
+                          f" (compile+check {t1 - t0:.1f}s)", flush=True)
                 except Exception as e:  # one failed variant must not stop the others
                     row[name] = None
                     row[name + ":error"] = f"{type(e).__name__}: {str(e)[:400]}"
                     print(f"tp{tp} B={batch} {name}: {row[name + ':error']}", flush=True)
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if not k.endswith("kernels")}), flush=True)
-            with open(os.path.join(args.out, "mgpu_gemm_proto.json"), "w") as f:
+            with open(path, "w") as f:
                 json.dump(dict(device=device.device_kind, rows=rows, errors=errors), f, indent=1)
+    print("errors:", errors or "none", flush=True)
 
+
+def table(out: str) -> None:
+    """Merge ``out/mgpu_gemm_proto_*.json`` by (tp, B) and print the comparison and every variant."""
+    import glob
+
+    from front_gemm_timing import Shape, tbs
+
+    merged, errors, device = {}, [], None
+    for path in sorted(glob.glob(os.path.join(out, "mgpu_gemm_proto_*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        device = data["device"]
+        errors += data["errors"]
+        for r in data["rows"]:
+            merged.setdefault((r["tp"], r["batch"]), {}).update(r)
+    rows = [merged[k] for k in sorted(merged, key=lambda k: (-k[0], k[1]))]
+    with open(os.path.join(out, "mgpu_gemm_proto.json"), "w") as f:
+        json.dump(dict(device=device, rows=rows, errors=errors), f, indent=1)
     print("\nerrors:", errors or "none")
+    nan = float("nan")
 
     def best(r, reduce):
-        cands = [(r[str(c)], str(c)) for c in variants(r["tp"])
-                 if (reduce is None or c.reduce == reduce) and r.get(str(c)) is not None
-                 and r.get(str(c) + ":ok")]
-        return min(cands) if cands else (float("nan"), "-")
+        cands = [(r[str(c)], str(c)) for c in variants(r["tp"], (reduce,))
+                 if r.get(str(c)) is not None and r.get(str(c) + ":ok")]
+        return min(cands) if cands else (nan, "-")
 
-    print("\nMosaic GPU prototype against XLA's dot and the Triton front_gemm (CUPTI us per call, "
-          "weights rotated past L2; end to end = logits f32 + latent bf16)")
-    print(f"{'tp':>3} {'B':>4} {'floor':>6} {'xla dot':>8} {'triton':>7} | {'direct':>7} {'schedule':>16} "
-          f"| {'sem':>6} {'(gemm)':>6} | {'xla-red':>7} {'(gemm)':>6} | {'TB/s':>5} {'xla/best':>8} "
-          f"{'triton/best':>11}")
+    print(f"\n{device}: Mosaic GPU prototype against XLA's dot and the Triton front_gemm (CUPTI us "
+          "per call, weights rotated past L2; end to end = f32 logits + bf16 latent)")
+    print(f"{'tp':>3} {'B':>4} {'floor':>6} {'xla dot':>8} {'triton':>7} | {'direct':>7} {'schedule':>15} "
+          f"| {'sem':>6} | {'xla-red':>7} {'(gemm)':>6} | {'TB/s':>5} {'xla/best':>8} {'triton/best':>11}")
     for r in rows:
         d_us, d_name = best(r, "direct")
-        s_us, s_name = best(r, "sem")
+        s_us, _ = best(r, "sem")
         x_us, x_name = best(r, "xla")
         b_us = min(d_us, s_us, x_us)
         nbytes = Shape.k3(r["tp"]).weight_bytes
-        print(f"{r['tp']:>3} {r['batch']:>4} {r['floor_us']:>6.2f} {r['xla_dot'] or 0:>8.2f} "
-              f"{r['triton'] or 0:>7.2f} | {d_us:>7.2f} {d_name:>16} | {s_us:>6.2f} "
-              f"{r.get(s_name + ':gemm') or float('nan'):>6.2f} | {x_us:>7.2f} "
-              f"{r.get(x_name + ':gemm') or float('nan'):>6.2f} | {tbs(nbytes, b_us):>5.2f} "
-              f"{(r['xla_dot'] or 0) / b_us:>8.2f} {(r['triton'] or 0) / b_us:>11.2f}")
-    print("\nall variants (us: end to end / gemm alone where it differs; * = failed the check):")
+        xla, tri = r.get("xla_dot") or nan, r.get("triton") or nan
+        print(f"{r['tp']:>3} {r['batch']:>4} {r['floor_us']:>6.2f} {xla:>8.2f} {tri:>7.2f} | "
+              f"{d_us:>7.2f} {d_name:>15} | {s_us:>6.2f} | {x_us:>7.2f} "
+              f"{r.get(x_name + ':gemm') or nan:>6.2f} | {tbs(nbytes, b_us):>5.2f} {xla / b_us:>8.2f} "
+              f"{tri / b_us:>11.2f}")
+    print("\nall variants (us: end to end, /gemm alone for xla-red; * = failed or missed the check):")
     for r in rows:
         cells = []
         for c in variants(r["tp"]):
             e2e, gemm = r.get(str(c)), r.get(str(c) + ":gemm")
-            cell = f"{c}={e2e:.2f}" if e2e is not None else f"{c}=fail"
+            cell = f"{c}={e2e:.2f}" if e2e is not None else f"{c}=none"
             if gemm is not None:
                 cell += f"/{gemm:.2f}"
             cells.append(cell + ("" if r.get(str(c) + ":ok") else "*"))
         print(f"tp{r['tp']} B={r['batch']}: " + " ".join(cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--tps", default="8,1")
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--reduce", default="direct,xla,sem")
+    parser.add_argument("--baselines", action="store_true", help="also time XLA's dot and Triton")
+    parser.add_argument("--lower-only", action="store_true")
+    parser.add_argument("--table", action="store_true")
+    args = parser.parse_args()
+    tps, batches = list(map(int, args.tps.split(","))), list(map(int, args.batches.split(",")))
+    if args.lower_only:
+        return lower_only(tps, batches)
+    if args.table:
+        return table(args.out)
+    os.makedirs(args.out, exist_ok=True)
+    measure(tps, batches, tuple(args.reduce.split(",")), args.baselines, args.out)
 
 
 if __name__ == "__main__":
