@@ -32,8 +32,7 @@ Split-K reduction, three variants:
     float32 WGMMA accumulator through a transposed smem view fails Mosaic GPU's layout inference in
     jax 0.11.2 ("Failed to infer a possible set of layouts"); a bf16 one lowers.
 
-Measured on the H200 (2026-12-03, CUPTI, rotated weights; the full table is in the report of branch
-``mgpu``): the swapped GEMM alone streams at 3.75-3.78 TB/s at tp1, B <= 8 (17.0-17.2 us; XLA's dot
+Measured on the H200 (2026-12-03, CUPTI, rotated weights; the table is in benchmarks/RESULTS.md): the swapped GEMM alone streams at 3.75-3.78 TB/s at tp1, B <= 8 (17.0-17.2 us; XLA's dot
 19.1-20.9 us) and takes 3.81 us at tp8, B <= 8 (XLA 4.6-6.4 us); the reductions then add 2-5 us, so
 end to end it beats both XLA's dot and the Triton kernel only at tp8 B=8 and tp1 B=1.
 
