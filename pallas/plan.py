@@ -37,6 +37,10 @@ Cost per call (``n = B * L`` elements):
   FLOPs  = about 6 * n: a magnitude mask and a max per element, two multiplies, two compares; a few
            integer ops per block for the scale. No tensor-core work.
 ``plan_bytes`` gives the byte count.
+
+Measured (H200, CUPTI, 2026-12-03, benchmarks/RESULTS.md): 0.93-1.15 us at B <= 64 and 1.1-2.1 us at
+B = 256, at tp1 and tp8, bit-equal to and 2.5-3.6x faster than XLA's jitted ``reference.mxfp8_plan``;
+the best schedule of a sweep beat ``heuristic_config`` by at most 0.08 us.
 """
 
 from __future__ import annotations
