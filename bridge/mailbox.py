@@ -239,7 +239,14 @@ def _check_shard(name: str, array, batch: int | None, width: int, dtype) -> int:
     return shape[0]
 
 
-def _use_kernels(backend: str) -> bool:
+def uses_kernels(backend: str) -> bool:
+    """Whether ``backend`` runs the mailbox's GPU kernels (``"pallas"``, or ``"auto"`` on a GPU) rather
+    than the plain-JAX protocol.
+
+    Raises:
+      ValueError: an unknown backend.
+      NotImplementedError: ``"pallas"`` without a GPU.
+    """
     backends.check_backend(backend)
     if backend == "pallas" and not backends.on_gpu():
         raise NotImplementedError(
@@ -267,7 +274,7 @@ def _peer_exchange(mailbox: Mailbox, logits, latent_shard, axis_name, backend: s
             f"transport='peer' over tp={cfg.tp} ranks needs generations >= 2 (a fast rank's next "
             f"step must land in another generation), got {mailbox.generations}"
         )
-    if not _use_kernels(backend):
+    if not uses_kernels(backend):
         raise NotImplementedError(
             f"transport='peer' stores through GPU peer pointers and needs the GPU kernels, got "
             f"backend={backend!r} on {jax.default_backend()}; use transport='gather'"
@@ -333,7 +340,7 @@ def publish(
     check_mailbox(mailbox, cfg, batch)
     if isinstance(rank, int) and not 0 <= rank < cfg.tp:
         raise ValueError(f"rank must be in [0, tp={cfg.tp}), got {rank}")
-    if _use_kernels(backend):
+    if uses_kernels(backend):
         if cfg.tp != 1:
             raise NotImplementedError(
                 f"the GPU mailbox kernels publish on one device (tp=1), got tp={cfg.tp}: the "
@@ -372,7 +379,7 @@ def collect(
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     check_mailbox(mailbox, cfg, batch)
-    if _use_kernels(backend):
+    if uses_kernels(backend):
         return _kernels().collect(mailbox, batch, jnp.zeros((), jnp.int32))
     generation = mailbox.control[1]
     words = lax.dynamic_slice(mailbox.buffer, (generation, 0, 0), (1, batch, data_words(cfg)))[0]
@@ -446,14 +453,14 @@ def exchange(
         _check_shard("latent_shard", latent_shard, batch, cfg.latent_per_rank, jnp.bfloat16)
         return _peer_exchange(mailbox, logits, latent_shard, axis_name, backend)
     if cfg.tp == 1:
-        if _use_kernels(backend):
+        if uses_kernels(backend):
             _check_shard("latent_shard", latent_shard, batch, cfg.latent_per_rank, jnp.bfloat16)
             kernels = _kernels()
             mailbox, status = kernels.publish(mailbox, logits, latent_shard)
             return kernels.collect(mailbox, batch, status)
         mailbox = publish(mailbox, logits, latent_shard, 0, backend=backend)
     else:
-        if _use_kernels(backend):
+        if uses_kernels(backend):
             raise NotImplementedError(
                 "transport='gather' publishes locally with the GPU kernels (tp=1); across GPUs use "
                 "transport='peer', or backend='xla'"

@@ -14,9 +14,9 @@ from moe_front_jax.params import FrontParams
 
 
 _MAILBOX_TP = (
-    "mailbox= runs on one device (tp=1) for now; the cross-rank mailbox exchange arrives with issue "
-    "#9. Under tensor parallelism call moe_front without a mailbox: the ranks exchange logits and "
-    "latent through one all-gather."
+    "mailbox= with shard_params' sharded params is not supported: each rank needs its own mailbox. "
+    "Call moe_front inside your own jax.shard_map with axis_name= and this rank's Mailbox (created "
+    "for the rank's cfg), or without a mailbox (the ranks then exchange through one all-gather)."
 )
 
 
@@ -103,10 +103,13 @@ def moe_front(
         ``check_vma=False``). See ``moe_front_jax.parallel``.
       shared_reduce: how the ranks' shared-expert partial sums are reduced: ``"psum"`` (``shared``
         ``[B, H]`` on every rank) or ``"psum_scatter"`` (each rank's ``H/tp`` hidden columns).
-      mailbox: a ``Mailbox`` (one device, tp=1): the logits and latent shard travel through it (published, polled,
+      mailbox: a ``Mailbox``: the logits and latent shard travel through it (published, polled,
         copied out, re-armed; SPEC section 7) before routing. Donate it: ``jax.jit(moe_front,
         donate_argnames="mailbox")``. Its path canonicalizes -0 logits and latent values to +0
-        (``moe_front_jax.bridge.mailbox`` says why routing is unaffected).
+        (``moe_front_jax.bridge.mailbox`` says why routing is unaffected). With ``axis_name``, this
+        rank's mailbox (created for ``params.cfg``); the ranks' shards reach it through a gather in
+        plain JAX, or on a GPU through the peer-store publish (``exchange``'s ``transport="peer"``;
+        measured on one GPU only).
 
     Returns:
       ``FrontOutput(ids, weights, latent, logits, shared, plan, status)``; with a mailbox, the pair
@@ -116,8 +119,8 @@ def moe_front(
       ValueError: at trace time, for a wrong shape or dtype of ``x`` or ``params``, an empty batch,
         an unknown backend or shared_reduce, an ``axis_name`` that disagrees with the params, or a
         mailbox laid out for another config or too small for the batch.
-      NotImplementedError: a mailbox together with tensor parallelism (the cross-rank mailbox
-        exchange arrives with issue #9; without a mailbox the ranks exchange through one all-gather).
+      NotImplementedError: a mailbox with ``shard_params``' sharded params (each rank needs its own:
+        call ``moe_front`` inside ``jax.shard_map`` with ``axis_name`` instead).
 
     Example::
 
@@ -140,8 +143,9 @@ def moe_front(
     check_rows(x, cfg)
     if axis_name is not None:
         if mailbox is not None:
-            raise NotImplementedError(_MAILBOX_TP)
-        return FrontOutput(*parallel.rank_front(x, params, axis_name, **options))
+            mailboxes.check_mailbox(mailbox, cfg, x.shape[0])
+        fields, mailbox = parallel.rank_front(x, params, axis_name, mailbox=mailbox, **options)
+        return FrontOutput(*fields) if mailbox is None else (FrontOutput(*fields), mailbox)
     if mailbox is not None:
         mailboxes.check_mailbox(mailbox, cfg, x.shape[0])
     if cfg.tp != 1:

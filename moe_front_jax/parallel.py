@@ -28,6 +28,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe_front_jax import backends
+from moe_front_jax.bridge import mailbox as mailboxes
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import (
     BIAS,
@@ -260,15 +261,20 @@ def rank_front(
     plan: bool,
     backend: str,
     shared_reduce: str,
+    mailbox=None,
 ) -> tuple:
     """One rank's front inside ``shard_map``: its GEMM, the exchange, routing of all experts.
 
     ``params`` are this rank's (validated by the caller: ``check_params``), ``x`` ``[B, H]`` the rank's
-    rows (the same on every rank of ``axis_name``).
+    rows (the same on every rank of ``axis_name``). Without ``mailbox`` the ranks exchange logits and
+    latent through one all-gather; with this rank's ``Mailbox`` (laid out for ``params.cfg``), through
+    it: the plain-JAX protocol over a gather, or on a GPU the peer-store publish
+    (``transport="peer"``) and this rank's collect.
 
     Returns:
       The fields of ``FrontOutput`` in order: ``ids``, ``weights``, ``latent`` ``[B, L]``, ``logits``
-      ``[B, E]``, ``shared`` (``reduce_shared``'s, or None), ``plan`` (or None), ``status``.
+      ``[B, E]``, ``shared`` (``reduce_shared``'s, or None), ``plan`` (or None), ``status``; then
+      the returned mailbox (None without one).
 
     Raises:
       ValueError: ``axis_name`` is not an axis of the enclosing ``shard_map``, its size is not
@@ -289,7 +295,14 @@ def rank_front(
     check_scatter(shared_reduce, cfg, tp)
     gemm = backends.stage("front_gemm", backend)
     logits, latent_shard = gemm(x, params.packed, params.split, cfg.experts_per_rank)
-    logits, latent = exchange(logits, latent_shard, axis_name)
+    status = jnp.zeros((), jnp.int32)
+    if mailbox is None:
+        logits, latent = exchange(logits, latent_shard, axis_name)
+    else:
+        transport = "peer" if mailboxes.uses_kernels(backend) else "gather"
+        logits, latent, status, mailbox = mailboxes.exchange(
+            mailbox, logits, latent_shard, axis_name=axis_name, backend=backend, transport=transport
+        )
     ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
     shared = None
     if params.has_shared:
@@ -298,7 +311,7 @@ def rank_front(
         )
         shared = reduce_shared(partial, axis_name, shared_reduce)
     planned = backends.stage("plan", backend)(latent, cfg.plan_block) if plan else None
-    return ids, weights, latent, logits, shared, planned, jnp.zeros((), jnp.int32)
+    return (ids, weights, latent, logits, shared, planned, status), mailbox
 
 
 def runs_kernels(backend: str, plan: bool, shared: bool) -> bool:
@@ -346,9 +359,10 @@ def sharded_front(
 
     def body(x, packed, bias, gate_up, down):
         local = FrontParams(packed, bias, gate_up, down, cfg, params.split)
-        return rank_front(
+        fields, _ = rank_front(
             x, local, axis, plan=plan, backend=backend, shared_reduce=shared_reduce
         )
+        return fields
 
     front = jax.shard_map(
         body,

@@ -173,7 +173,3 @@ def test_missing_kernel_names_its_issue(monkeypatch):
         backends.stage("topk", "xla")
 
 
-def test_mailbox_with_tensor_parallelism_is_refused():
-    box = mf.Mailbox.create(SMALL, capacity=4)
-    with pytest.raises(NotImplementedError, match="mailbox= runs on one device"):
-        mf.moe_front(rows(1), small_params(), axis_name="tp", mailbox=box)
