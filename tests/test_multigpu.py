@@ -121,3 +121,42 @@ def test_data_axis_beside_tp_on_gpus():
     out = jax.jit(mf.moe_front)(x, params)
     assert_matches_unsharded(out, 64)
     assert out.ids.sharding.spec == P("data", None)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_per_rank_mailboxes_on_gpus_equal_the_all_gather_path(tp):
+    """Each GPU's own mailbox, filled by every rank's peer stores (``transport="peer"``, which
+    ``moe_front`` takes with the GPU kernels under ``axis_name``), gives the all-gather path's ids,
+    weights, latent and logits bit for bit over more steps than generations, and comes back armed."""
+    mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices()[:tp])
+    params = mf.shard_params(weights(), CFG, mesh)
+    specs = jax.tree.map(lambda a: a.sharding.spec, params)
+    one = mf.Mailbox.create(CFG.with_tp(tp), capacity=64, generations=2)
+    buffers = jax.device_put(jnp.stack([one.buffer] * tp), NamedSharding(mesh, P("tp")))
+    controls = jax.device_put(jnp.stack([one.control] * tp), NamedSharding(mesh, P("tp")))
+
+    def bits(a):
+        return jax.lax.bitcast_convert_type(a, jnp.uint16 if a.dtype.itemsize == 2 else jnp.uint32)
+
+    @functools.partial(jax.jit, donate_argnums=(2, 3))
+    @functools.partial(
+        jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("tp"), P("tp")), out_specs=P("tp"),
+        check_vma=False,
+    )
+    def step(x, local, buffer, control):
+        box = mf.Mailbox(buffer[0], control[0], local.cfg)
+        got, box = mf.moe_front(x, local, axis_name="tp", mailbox=box)
+        want = mf.moe_front(x, local, axis_name="tp")
+        fields = ("ids", "weights", "latent", "logits")
+        same = jnp.stack([jnp.all(bits(getattr(got, f)) == bits(getattr(want, f))) for f in fields])
+        return same[None], got.status[None], box.buffer[None], box.control[None]
+
+    for t, b in enumerate((1, 37, 64)):
+        x = jax.device_put(rows(b), NamedSharding(mesh, P()))
+        same, status, buffers, controls = step(x, params, buffers, controls)
+        assert np.asarray(same).all(), np.asarray(same)
+        np.testing.assert_array_equal(np.asarray(status), np.zeros(tp))
+        armed, every_buffer, every_control = map(np.asarray, (one.buffer, buffers, controls))
+        for r in range(tp):
+            np.testing.assert_array_equal(every_buffer[r], armed)
+            np.testing.assert_array_equal(every_control[r], [t % 2, t % 2])
