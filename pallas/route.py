@@ -171,6 +171,50 @@ def _tree_sum(w):
     return w
 
 
+def ordered_keys(x, b, lane_ok, interpret: bool):
+    """``[rows, lanes]`` float32 logits and ``[lanes]`` bias to order-preserving int32 keys of
+    ``sigmoid(x) + b`` (NaN to ``NAN_KEY``; lanes where ``lane_ok`` ``[1, lanes]`` is False, if given,
+    to ``PAD_KEY``)."""
+    key = _sigmoid(x, interpret) + b[None, :]
+    bits = lax.bitcast_convert_type(key, jnp.int32)
+    ordered = jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
+    ordered = jnp.where(key != key, jnp.int32(NAN_KEY), ordered)
+    if lane_ok is not None:
+        ordered = jnp.where(lane_ok, ordered, jnp.int32(PAD_KEY))
+    return ordered
+
+
+def select_ranked(ordered, lane, slot, k: int):
+    """The lanes of the ``k`` largest keys of each row, ``[rows, slots]`` int32 (slot ``r < k``: rank
+    ``r``, ties to the lower lane; slots past ``k`` hold 0): ``k`` unrolled argmax rounds.
+
+    Args:
+      ordered: ``[rows, lanes]`` int32 keys (``ordered_keys``), at least ``k`` above ``PAD_KEY``.
+      lane: ``[1, lanes]`` iota; slot: ``[1, slots]`` iota, ``slots >= k``.
+    """
+    ids = jnp.zeros((ordered.shape[0], slot.shape[1]), jnp.int32)
+    for r in range(k):
+        best = jnp.argmax(ordered, axis=1).astype(jnp.int32)[:, None]  # ties: the lower lane
+        ids = jnp.where(slot == r, best, ids)
+        if r + 1 < k:
+            ordered = jnp.where(lane == best, jnp.int32(PAD_KEY), ordered)
+    return ids
+
+
+def routing_weights(chosen, slot, cfg: FrontConfig, interpret: bool):
+    """The chosen experts' logits ``[rows, slots]`` float32 (slots past ``cfg.top_k`` ignored) to
+    their bfloat16 routing weights (SPEC section 4: NaN sigmoids weigh 0, the tree-sum renormalize)."""
+    w = _sigmoid(chosen, interpret)
+    w = jnp.where(w != w, jnp.float32(0), w)
+    if slot.shape[1] != cfg.top_k:
+        w = jnp.where(slot < cfg.top_k, w, jnp.float32(0))
+    scaled = w * jnp.float32(cfg.routed_scaling_factor)
+    if cfg.renormalize:
+        total = _tree_sum(w) + jnp.float32(reference.RENORM_EPSILON)
+        scaled = _div(scaled, jnp.broadcast_to(total, scaled.shape), interpret)
+    return scaled.astype(jnp.bfloat16)
+
+
 def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes, slots, cfg,
             block_rows, interpret):
     bb, k = block_rows, cfg.top_k
@@ -199,21 +243,9 @@ def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes
         mask=None if lane_mask is None else lane_ok[0],
         other=None if lane_mask is None else 0.0,
     )
-    key = _sigmoid(x, interpret) + b[None, :]
-    bits = lax.bitcast_convert_type(key, jnp.int32)
-    ordered = jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
-    ordered = jnp.where(key != key, jnp.int32(NAN_KEY), ordered)
-    if lane_mask is not None:
-        ordered = jnp.where(lane_ok, ordered, jnp.int32(PAD_KEY))
-
+    ordered = ordered_keys(x, b, lane_ok if lane_mask is not None else None, interpret)
     slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
-    ids = jnp.zeros((bb, slots), jnp.int32)
-    for r in range(k):
-        best = jnp.argmax(ordered, axis=1).astype(jnp.int32)[:, None]  # ties: the lower lane
-        ids = jnp.where(slot == r, best, ids)
-        if r + 1 < k:
-            ordered = jnp.where(lane == best, jnp.int32(PAD_KEY), ordered)
-
+    ids = select_ranked(ordered, lane, slot, k)
     slot_ok = slot < k
     out_mask = slot_ok if slots != k else None
     if row_mask is not None:
@@ -225,18 +257,9 @@ def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes
         mask=out_mask,
         other=None if out_mask is None else 0.0,
     )
-    w = _sigmoid(chosen, interpret)
-    w = jnp.where(w != w, jnp.float32(0), w)
-    if slots != k:
-        w = jnp.where(slot_ok, w, jnp.float32(0))
-    scaled = w * jnp.float32(cfg.routed_scaling_factor)
-    if cfg.renormalize:
-        total = _tree_sum(w) + jnp.float32(reference.RENORM_EPSILON)
-        scaled = _div(scaled, jnp.broadcast_to(total, scaled.shape), interpret)
+    scaled = routing_weights(chosen, slot, cfg, interpret)
     plgpu.store(ids_ref.at[pl.ds(first, bb), pl.ds(0, slots)], ids, mask=out_mask)
-    plgpu.store(
-        weights_ref.at[pl.ds(first, bb), pl.ds(0, slots)], scaled.astype(jnp.bfloat16), mask=out_mask
-    )
+    plgpu.store(weights_ref.at[pl.ds(first, bb), pl.ds(0, slots)], scaled, mask=out_mask)
 
 
 def _check(logits, bias, cfg) -> None:
