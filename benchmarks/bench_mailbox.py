@@ -5,11 +5,15 @@ the script times, with CUPTI (summed kernel time per call), in one process:
 
 - ``direct``: ``jax.jit(moe_front)(x, params)`` (the XLA reference front GEMM and routing);
 - ``mailbox``: ``jax.jit(moe_front, donate_argnames="mailbox")(x, params, mailbox=box)``, the box
-  threaded from call to call as a decode loop does;
+  threaded from call to call as a decode loop does: the publish, then the routing kernel polling the
+  mailbox (``pallas/route_collect.py``);
+- ``separate``: the same step with the collect as its own kernel (``bridge.mailbox.exchange``, then
+  the routing kernel on the collected logits), as the mailbox path ran before ``route_collect``;
 - ``exchange``: the mailbox alone (``bridge.mailbox.exchange``: publish + collect), and its two kernels.
 
 Three weight copies (3 x 64 MB, over the 60 MB L2) and three inputs rotate; no input is zero. Also
-measured: how long a collect on a never-published mailbox takes to return its timeout status.
+measured: how long a collect, and a ``route_collect``, on a never-published mailbox take to return
+their timeout status.
 ``--variants`` first sweeps the kernels' block size (chunks per program, warps).
 
 ``--transports`` times instead the exchange alone per transport (issue 9), for tp = 1 and every power
@@ -44,6 +48,8 @@ import numpy as np
 
 import moe_front_jax as mf
 from moe_front_jax.bridge import mailbox as mb
+from moe_front_jax.pallas import route as rt
+from moe_front_jax.pallas import route_collect as rc
 
 BATCHES = (1, 8, 64, 256)
 COPIES = 3
@@ -111,10 +117,22 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
         state["statuses"].append(out.status)
         return out
 
-    rounds = {"direct": [], "mailbox": []}
-    for _ in range(2):  # interleaved, so that drift of the shared machine hits both paths alike
-        rounds["direct"] += kernel_times(run_direct, ITERATIONS)
-        rounds["mailbox"] += kernel_times(run_mailbox, ITERATIONS)
+    @functools.partial(jax.jit, donate_argnums=2)
+    def separate(x, p, box):
+        logits, latent = mf.reference.front_gemm(x, p.packed, p.split, cfg.experts_per_rank)
+        logits, latent, status, box = mb.exchange(box, logits, latent)
+        return rt.route(logits, p.bias, cfg), latent, logits, status, box
+
+    def run_separate(i):
+        *out, status, state["box"] = separate(xs[i % COPIES], params[i % COPIES], state["box"])
+        state["statuses"].append(status)
+        return out
+
+    runs = {"direct": run_direct, "mailbox": run_mailbox, "separate": run_separate}
+    rounds = {name: [] for name in runs}
+    for _ in range(2):  # interleaved, so that drift of the shared machine hits every path alike
+        for name, run in runs.items():
+            rounds[name] += kernel_times(run, ITERATIONS)
     shards = [
         mf.reference.front_gemm(x, p.packed, p.split, cfg.experts_per_rank) for x, p in zip(xs, params)
     ]
@@ -128,25 +146,36 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
     statuses = {int(s) for s in state["statuses"]}
     if statuses != {0}:
         raise RuntimeError(f"B={batch}: mailbox statuses {statuses}, expected only 0")
-    d, m = summarize(rounds["direct"]), summarize(rounds["mailbox"])
+    d, m, s = (summarize(rounds[name]) for name in runs)
     return dict(
         batch=batch,
         direct=d,
         mailbox=m,
+        separate=s,
         exchange=exchange,
         added_us=m["us"] - d["us"],
+        separate_added_us=s["us"] - d["us"],
         publish_us=kernel_us(m, "mailbox_publish"),
-        collect_us=kernel_us(m, "mailbox_collect"),
+        route_collect_us=kernel_us(m, "route_collect"),
+        route_us=kernel_us(d, "route"),
     )
 
 
-def timeout_seconds(cfg, batch: int) -> float:
-    """Wall time of a collect on a never-published mailbox (after a first, compiling call)."""
-    collect = jax.jit(lambda box: mb.collect(box, batch), donate_argnums=0)
+def timeout_seconds(cfg, batch: int, fused: bool) -> float:
+    """Wall time of a collect (``fused``: a ``route_collect``) on a never-published mailbox, after a
+    first, compiling call."""
+    bias = jnp.zeros((cfg.experts,), jnp.float32)
+    if fused:
+        collect = jax.jit(
+            lambda box: rc.route_collect(box, jnp.zeros((), jnp.int32), bias, batch)[-2:],
+            donate_argnums=0,
+        )
+    else:
+        collect = jax.jit(lambda box: mb.collect(box, batch)[-2:], donate_argnums=0)
     box = mf.Mailbox.create(cfg, capacity=max(BATCHES))
-    *_, status, box = jax.block_until_ready(collect(box))
+    status, box = jax.block_until_ready(collect(box))
     start = time.perf_counter()
-    *_, status, box = jax.block_until_ready(collect(box))
+    status, box = jax.block_until_ready(collect(box))
     elapsed = time.perf_counter() - start
     if int(status) != mf.Mailbox.TIMEOUT:
         raise RuntimeError(f"a never-published collect returned status {int(status)}")
@@ -292,7 +321,11 @@ def main():
     report = dict(device=jax.devices()[0].device_kind, jax=jax.__version__)
     if args.variants:
         report["variants"] = sweep_variants(cfg, params)
-    report["timeout_s"] = {batch: timeout_seconds(cfg, batch) for batch in (1, max(BATCHES))}
+    report["timeout_s"] = {
+        f"{name} B={batch}": timeout_seconds(cfg, batch, fused)
+        for name, fused in (("collect", False), ("route_collect", True))
+        for batch in (1, max(BATCHES))
+    }
     report["batches"] = [bench_batch(batch, params, cfg) for batch in BATCHES]
     with open(os.path.join(args.out, "bench_mailbox.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -302,15 +335,16 @@ def main():
     print("timeout status after (s):", {b: round(s, 4) for b, s in report["timeout_s"].items()})
     print()
     print(
-        "| B | direct us | mailbox us | added us | publish us | collect us | exchange alone us "
-        "| mailbox / direct |"
+        "| B | direct us | mailbox us | added us | publish us | route_collect us | route (direct) us "
+        "| separate collect: added us | exchange alone us |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in report["batches"]:
         d, m = row["direct"]["us"], row["mailbox"]["us"]
         print(
-            f"| {row['batch']} | {d:.2f} | {m:.2f} | {row['added_us']:.2f} | {row['publish_us']:.2f} | "
-            f"{row['collect_us']:.2f} | {row['exchange']['us']:.2f} | {m / d:.3f} |"
+            f"| {row['batch']} | {d:.2f} | {m:.2f} | {row['added_us']:+.2f} | {row['publish_us']:.2f} "
+            f"| {row['route_collect_us']:.2f} | {row['route_us']:.2f} | "
+            f"{row['separate_added_us']:+.2f} | {row['exchange']['us']:.2f} |"
         )
 
 

@@ -74,6 +74,9 @@ the programs of a later wave do not each spin to the limit.
 Backends: ``"auto"`` runs the jax-triton kernels of ``triton_mailbox`` on a GPU (imported only then:
 jax-triton 0.3.1 cannot be imported without a GPU jaxlib) and this module's plain JAX elsewhere;
 ``"pallas"`` asks for the kernels; ``"xla"`` and ``"interpret"`` run the plain-JAX protocol.
+``exchange_route`` (the path of ``moe_front``) collects with the routing kernel instead
+(``pallas/route_collect.py``) wherever that kernel runs: on a GPU after the kernels' publish, and in
+interpret mode after the plain-JAX publish.
 
 Transports (``exchange``'s ``transport``): ``"gather"`` (the default) gathers the ranks' shards with
 one XLA all-gather and publishes them locally (with the GPU kernels: tp = 1 only); ``"peer"`` runs the
@@ -266,25 +269,6 @@ TRANSPORTS = ("gather", "peer")
 """How ``exchange`` carries the shards to every rank (module docstring)."""
 
 
-def _peer_exchange(mailbox: Mailbox, logits, latent_shard, axis_name, backend: str):
-    """``exchange`` by peer stores: the Mosaic GPU publish into every rank's mailbox, then collect."""
-    cfg = mailbox.cfg
-    if cfg.tp > 1 and mailbox.generations < 2:
-        raise ValueError(
-            f"transport='peer' over tp={cfg.tp} ranks needs generations >= 2 (a fast rank's next "
-            f"step must land in another generation), got {mailbox.generations}"
-        )
-    if not uses_kernels(backend):
-        raise NotImplementedError(
-            f"transport='peer' stores through GPU peer pointers and needs the GPU kernels, got "
-            f"backend={backend!r} on {jax.default_backend()}; use transport='gather'"
-        )
-    from moe_front_jax.bridge import peer_mailbox
-
-    mailbox, status = peer_mailbox.publish(mailbox, logits, latent_shard, axis_name)
-    return _kernels().collect(mailbox, logits.shape[0], status)
-
-
 def logits_to_words(logits: jax.Array) -> jax.Array:
     """float32 ``[B, n]`` logits as canonical words ``[B, n]`` uint32 (-0.0 becomes +0.0)."""
     words = lax.bitcast_convert_type(logits, jnp.uint32)
@@ -397,6 +381,66 @@ def collect(
     return logits, latent, status, Mailbox(buffer, control, cfg)
 
 
+def _check_exchange(mailbox, logits, latent_shard, axis_name, transport) -> int:
+    """``exchange``'s argument checks; returns the batch."""
+    cfg = mailbox_config(mailbox)
+    batch = _check_shard("logits", logits, None, cfg.experts_per_rank, jnp.float32)
+    check_mailbox(mailbox, cfg, batch)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if axis_name is None and cfg.tp != 1:
+        raise ValueError(
+            f"the mailbox is for tp={cfg.tp} ranks: pass axis_name, the mesh axis of the ranks"
+        )
+    if axis_name is not None and lax.axis_size(axis_name) != cfg.tp:
+        raise ValueError(
+            f"axis_name={axis_name!r} has {lax.axis_size(axis_name)} ranks, but the mailbox is "
+            f"for tp={cfg.tp}"
+        )
+    return batch
+
+
+def _publish_all(mailbox: Mailbox, logits, latent_shard, axis_name, backend: str, transport: str):
+    """Every rank's shard into this rank's mailbox (``exchange``'s first half).
+
+    Returns ``(mailbox, status)``: the GPU kernels' zeroed status word, or None after the plain-JAX
+    publish.
+    """
+    cfg = mailbox.cfg
+    batch = logits.shape[0]
+    if transport == "peer":
+        _check_shard("latent_shard", latent_shard, batch, cfg.latent_per_rank, jnp.bfloat16)
+        if cfg.tp > 1 and mailbox.generations < 2:
+            raise ValueError(
+                f"transport='peer' over tp={cfg.tp} ranks needs generations >= 2 (a fast rank's "
+                f"next step must land in another generation), got {mailbox.generations}"
+            )
+        if not uses_kernels(backend):
+            raise NotImplementedError(
+                f"transport='peer' stores through GPU peer pointers and needs the GPU kernels, got "
+                f"backend={backend!r} on {jax.default_backend()}; use transport='gather'"
+            )
+        from moe_front_jax.bridge import peer_mailbox
+
+        return peer_mailbox.publish(mailbox, logits, latent_shard, axis_name)
+    if cfg.tp == 1:
+        if uses_kernels(backend):
+            _check_shard("latent_shard", latent_shard, batch, cfg.latent_per_rank, jnp.bfloat16)
+            return _kernels().publish(mailbox, logits, latent_shard)
+        return publish(mailbox, logits, latent_shard, 0, backend=backend), None
+    if uses_kernels(backend):
+        raise NotImplementedError(
+            "transport='gather' publishes locally with the GPU kernels (tp=1); across GPUs use "
+            "transport='peer', or backend='xla'"
+        )
+    _check_shard("latent_shard", latent_shard, batch, cfg.latent_per_rank, jnp.bfloat16)
+    every_logits = lax.all_gather(logits, axis_name)
+    every_latent = lax.all_gather(latent_shard, axis_name)
+    for rank in range(cfg.tp):
+        mailbox = publish(mailbox, every_logits[rank], every_latent[rank], rank, backend=backend)
+    return mailbox, None
+
+
 @functools.partial(
     jax.jit, static_argnames=("axis_name", "backend", "transport"), donate_argnames="mailbox"
 )
@@ -435,39 +479,56 @@ def exchange(
       NotImplementedError: ``"gather"`` with ``axis_name`` and the GPU kernels (use ``"peer"``, or
         backend="xla"), or ``"peer"`` without the GPU kernels.
     """
-    cfg = mailbox_config(mailbox)
-    batch = _check_shard("logits", logits, None, cfg.experts_per_rank, jnp.float32)
-    check_mailbox(mailbox, cfg, batch)
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    if axis_name is None and cfg.tp != 1:
-        raise ValueError(
-            f"the mailbox is for tp={cfg.tp} ranks: pass axis_name, the mesh axis of the ranks"
+    batch = _check_exchange(mailbox, logits, latent_shard, axis_name, transport)
+    mailbox, status = _publish_all(mailbox, logits, latent_shard, axis_name, backend, transport)
+    if status is None:
+        return collect(mailbox, batch, backend=backend)
+    return _kernels().collect(mailbox, batch, status)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("axis_name", "backend", "transport"), donate_argnames="mailbox"
+)
+def exchange_route(
+    mailbox: Mailbox,
+    logits: jax.Array,
+    latent_shard: jax.Array,
+    bias: jax.Array,
+    *,
+    axis_name: str | None = None,
+    backend: str = "auto",
+    transport: str = "gather",
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, Mailbox]:
+    """``exchange``, then the routing step of SPEC section 4 over the collected logits.
+
+    Where ``backend`` runs the routing kernel (``"pallas"``, ``"interpret"``, ``"auto"`` on a GPU),
+    that kernel polls the mailbox itself (``pallas/route_collect.py``: collect and route in one
+    launch); otherwise ``exchange`` and the reference routing run one after the other. The outputs are
+    the same bits either way.
+
+    Args:
+      mailbox, logits, latent_shard, axis_name, backend, transport: as for ``exchange``.
+      bias: ``[E]`` float32 correction bias.
+
+    Returns:
+      ``(ids [B, K] int32, weights [B, K] bfloat16, logits [B, E] float32, latent [B, L] bfloat16,
+      status int32 scalar, mailbox)``.
+
+    Raises:
+      As ``exchange``; a wrong bias is a ValueError.
+    """
+    route = backends.stage("route", backend)
+    if route is backends.REFERENCE["route"]:
+        logits, latent, status, mailbox = exchange(
+            mailbox, logits, latent_shard, axis_name=axis_name, backend=backend, transport=transport
         )
-    if axis_name is not None and lax.axis_size(axis_name) != cfg.tp:
-        raise ValueError(
-            f"axis_name={axis_name!r} has {lax.axis_size(axis_name)} ranks, but the mailbox is "
-            f"for tp={cfg.tp}"
-        )
-    if transport == "peer":
-        _check_shard("latent_shard", latent_shard, batch, cfg.latent_per_rank, jnp.bfloat16)
-        return _peer_exchange(mailbox, logits, latent_shard, axis_name, backend)
-    if cfg.tp == 1:
-        if uses_kernels(backend):
-            _check_shard("latent_shard", latent_shard, batch, cfg.latent_per_rank, jnp.bfloat16)
-            kernels = _kernels()
-            mailbox, status = kernels.publish(mailbox, logits, latent_shard)
-            return kernels.collect(mailbox, batch, status)
-        mailbox = publish(mailbox, logits, latent_shard, 0, backend=backend)
-    else:
-        if uses_kernels(backend):
-            raise NotImplementedError(
-                "transport='gather' publishes locally with the GPU kernels (tp=1); across GPUs use "
-                "transport='peer', or backend='xla'"
-            )
-        _check_shard("latent_shard", latent_shard, batch, cfg.latent_per_rank, jnp.bfloat16)
-        every_logits = lax.all_gather(logits, axis_name)
-        every_latent = lax.all_gather(latent_shard, axis_name)
-        for rank in range(cfg.tp):
-            mailbox = publish(mailbox, every_logits[rank], every_latent[rank], rank, backend=backend)
-    return collect(mailbox, batch, backend=backend)
+        return (*route(logits, bias, mailbox.cfg), logits, latent, status, mailbox)
+    batch = _check_exchange(mailbox, logits, latent_shard, axis_name, transport)
+    mailbox, status = _publish_all(mailbox, logits, latent_shard, axis_name, backend, transport)
+    if status is None:
+        status = jnp.zeros((), jnp.int32)
+    from moe_front_jax.pallas import route_collect
+
+    return route_collect.route_collect(
+        mailbox, status, bias, batch, interpret=backend == "interpret"
+    )

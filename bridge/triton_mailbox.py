@@ -4,10 +4,13 @@ Imported only on the GPU path (``moe_front_jax.bridge.mailbox`` picks it): jax-t
 be imported without a GPU jaxlib, and ``jax_triton`` is imported inside the wrappers so that the
 kernels themselves can be compiled for an H200 by Triton alone, on a host without a GPU.
 
-Why jax-triton and not Pallas: the protocol needs raw pointers into a buffer that persists across
-calls and is updated in place (``input_output_aliases``), volatile 16-byte loads that re-read memory
-another writer may change while the kernel runs, and a spin loop bounded by a count rather than by a
-shape. Pallas' Triton lowering has no volatile load; ``triton_call`` gives all three directly.
+Why jax-triton: the protocol needs raw pointers into a buffer that persists across calls and is
+updated in place (``input_output_aliases``), volatile 16-byte loads that re-read memory another
+writer may change while the kernel runs, and a spin loop bounded by a count rather than by a shape;
+``triton_call`` gives all three directly, over the row as flat 16-byte chunks. Pallas' Triton lowering
+has them too in jax 0.11.2 (``plgpu.load(..., volatile=True)``, ``lax.while_loop``): on the path of
+``moe_front`` the routing kernel polls the mailbox itself (``pallas/route_collect.py``), and
+``collect`` here serves ``exchange``, which returns the rows without routing them.
 
 The layout, the sentinel, the generations, the control words and the safety argument of the immediate
 re-arm are in ``mailbox``'s docstring. Both kernels run one program per (block of ``BLOCK_CHUNKS``

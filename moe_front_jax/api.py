@@ -104,7 +104,8 @@ def moe_front(
       shared_reduce: how the ranks' shared-expert partial sums are reduced: ``"psum"`` (``shared``
         ``[B, H]`` on every rank) or ``"psum_scatter"`` (each rank's ``H/tp`` hidden columns).
       mailbox: a ``Mailbox``: the logits and latent shard travel through it (published, polled,
-        copied out, re-armed; SPEC section 7) before routing. Donate it: ``jax.jit(moe_front,
+        copied out, re-armed; SPEC section 7) before routing; the routing kernel, where it runs, polls the
+        mailbox itself (``mailbox.exchange_route``). Donate it: ``jax.jit(moe_front,
         donate_argnames="mailbox")``. Its path canonicalizes -0 logits and latent values to +0
         (``moe_front_jax.bridge.mailbox`` says why routing is unaffected). With ``axis_name``, this
         rank's mailbox (created for ``params.cfg``); the ranks' shards reach it through a gather in
@@ -164,9 +165,12 @@ def moe_front(
     else:
         gemm = backends.stage("front_gemm", backend)
         logits, latent = gemm(x, params.packed, params.split, cfg.experts_per_rank)
-    if mailbox is not None:
-        logits, latent, status, mailbox = mailboxes.exchange(mailbox, logits, latent, backend=backend)
-    ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
+    if mailbox is None:
+        ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
+    else:
+        ids, weights, logits, latent, status, mailbox = mailboxes.exchange_route(
+            mailbox, logits, latent, params.bias, backend=backend
+        )
     shared = None
     if params.has_shared:
         shared = backends.stage("shared_expert", backend)(

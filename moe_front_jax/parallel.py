@@ -298,12 +298,13 @@ def rank_front(
     status = jnp.zeros((), jnp.int32)
     if mailbox is None:
         logits, latent = exchange(logits, latent_shard, axis_name)
+        ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
     else:
         transport = "peer" if mailboxes.uses_kernels(backend) else "gather"
-        logits, latent, status, mailbox = mailboxes.exchange(
-            mailbox, logits, latent_shard, axis_name=axis_name, backend=backend, transport=transport
+        ids, weights, logits, latent, status, mailbox = mailboxes.exchange_route(
+            mailbox, logits, latent_shard, params.bias, axis_name=axis_name, backend=backend,
+            transport=transport,
         )
-    ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
     shared = None
     if params.has_shared:
         partial = backends.stage("shared_expert", backend)(

@@ -377,11 +377,13 @@ def test_tp16_on_16_devices_with_k3_row_counts():
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
-def test_mailbox_inside_callers_shard_map_equals_the_all_gather_path():
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_mailbox_inside_callers_shard_map_equals_the_all_gather_path(backend):
     """Each rank's own mailbox carries every rank's shards: over three steps (more than the two
     generations) the ranks' ids, weights, latent and logits equal the all-gather path's bit for bit
     (these rows hold no -0, the one value the mailbox canonicalizes), the status is 0 and every
-    mailbox comes back armed."""
+    mailbox comes back armed. With ``"interpret"`` the routing kernel polls each rank's mailbox
+    (``route_collect``), in interpret mode."""
     mesh = tp_mesh(8)
     params = mf.shard_params(weights(CFG), CFG, mesh)
     specs = jax.tree.map(lambda a: a.sharding.spec, params)
@@ -391,12 +393,13 @@ def test_mailbox_inside_callers_shard_map_equals_the_all_gather_path():
 
     @jax.jit
     @functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("tp"), P("tp")), out_specs=P("tp")
+        jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("tp"), P("tp")), out_specs=P("tp"),
+        check_vma=backend == "xla",
     )
     def step(x, local, buffer, control):
         box = mf.Mailbox(buffer[0], control[0], local.cfg)
-        got, box = mf.moe_front(x, local, axis_name="tp", backend="xla", mailbox=box)
-        want = mf.moe_front(x, local, axis_name="tp", backend="xla")
+        got, box = mf.moe_front(x, local, axis_name="tp", backend=backend, mailbox=box)
+        want = mf.moe_front(x, local, axis_name="tp", backend=backend)
         def bits(a):
             return jax.lax.bitcast_convert_type(a, jnp.uint16 if a.dtype.itemsize == 2 else jnp.uint32)
 

@@ -1,0 +1,209 @@
+"""The routing kernel that polls the Lamport mailbox: collect and route in one pass (SPEC sections 4, 7).
+
+``route_collect(mailbox, status, bias, batch)`` does, for each row ``[0, batch)`` of the generation
+last published, what ``mailbox.collect`` followed by ``route.route`` does, in one Pallas kernel:
+
+1. poll the row's data words (volatile loads, so every poll re-reads memory a publisher may still be
+   writing) until none is the sentinel, at most ``spin_limit`` times; a row still holding one then sets
+   ``status`` to ``TIMEOUT``, and the other programs, which read ``status`` while they poll, stop;
+2. write the row out: the logits ``[E]`` float32 and the latent as ``[L / 2]`` words (the caller views
+   them as bfloat16 columns), exactly the words ``collect`` copies;
+3. re-arm the row's data words with the sentinel and record the generation read in ``control[0]``;
+4. route the logits as ``route.route`` does (``ordered_keys``, ``select_ranked``, ``routing_weights``
+   are that kernel's functions): ids and weights are bit-equal to collect-then-route.
+
+Why one kernel: on the mailbox path at decode batch sizes each kernel costs its launch and its first
+round trip to memory, not bandwidth (``triton_mailbox``'s byte counts). The collect's copy needs the
+row in registers, and so does the routing: here the row is loaded once, the copy-out and re-arm stores
+issue while the selection rounds run, and the collect's separate launch is gone.
+
+Protocol. The same as ``triton_mailbox.mailbox_collect``'s (``mailbox``'s docstring has the layout,
+the generations and why the immediate re-arm is safe): a program owns its rows, reads generation
+``control[1]`` and writes only ``control[0]``, writes ``status`` only to report its own timeout, and
+re-arms only words it has read (the poll's last load completes in every thread before the reduction
+that ends the loop). The weights gather the chosen experts' logits back from the logits output after a
+block barrier, which makes the other threads' stores of them visible.
+
+Backend: Pallas' Triton lowering, as ``route``: ``plgpu.load(..., volatile=True)`` polls,
+``input_output_aliases`` updates the buffer, control and status in place, and ``lax.while_loop``
+bounds the spin. Interpret mode runs the same kernel on any machine (there the loads are not
+volatile, which a single-threaded interpreter does not need: the mailbox is published before the
+kernel runs, or never).
+
+Cost per call, for ``W = L / 2 + E`` data words a row (2688 for Kimi-K3, 10.5 KB):
+  bytes  = 4 * B * W          the row read (once, when the publish has landed before the kernel)
+         + 8 * B * W          written out, then re-armed
+         + route.route_bytes  less its logits read (the row holds them)
+  FLOPs  = route.route's
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_front_jax.bridge import mailbox as mb
+from moe_front_jax.pallas import route as rt
+
+SPIN_LIMIT = 1 << 17
+"""Polls of a row before the kernel reports ``TIMEOUT`` (as ``triton_mailbox.SPIN_LIMIT``)."""
+
+
+def route_collect_bytes(batch: int, cfg) -> int:
+    """Bytes one call moves when the rows have landed (the docstring's count)."""
+    words = mb.data_words(cfg)
+    return 12 * batch * words + rt.route_bytes(batch, cfg.experts, cfg.top_k) - 4 * batch * cfg.experts
+
+
+def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref, status_ref,
+            ids_ref, weights_ref, logits_ref, latent_ref, *, batch, cfg, lanes, latent_lanes, slots,
+            block_rows, spin_limit, interpret):
+    del buffer_in, control_in, status_in  # aliased to buffer_ref, control_ref, status_ref
+    bb, k, experts = block_rows, cfg.top_k, cfg.experts
+    words = mb.latent_words(cfg)
+    first = pl.program_id(0) * bb
+    rows = first + lax.broadcasted_iota(jnp.int32, (bb, 1), 0)
+    lane = lax.broadcasted_iota(jnp.int32, (1, lanes), 1)
+    latent_lane = lax.broadcasted_iota(jnp.int32, (1, latent_lanes), 1)
+    row_ok = rows < batch
+    logit_ok = row_ok & (lane < experts)
+    latent_ok = row_ok & (latent_lane < words)
+    generation = control_ref[1]
+    sentinel = jnp.uint32(mb.SENTINEL)
+    # Index arrays, not slices: the padded lane ranges run past the row (masked).
+    logit_cells = buffer_ref.at[
+        generation, jnp.broadcast_to(rows, (bb, lanes)), jnp.broadcast_to(words + lane, (bb, lanes))
+    ]
+    latent_cells = buffer_ref.at[
+        generation,
+        jnp.broadcast_to(rows, (bb, latent_lanes)),
+        jnp.broadcast_to(latent_lane, (bb, latent_lanes)),
+    ]
+
+    def poll():
+        logit_words = plgpu.load(logit_cells, mask=logit_ok, other=0, volatile=True)
+        latent_words = plgpu.load(latent_cells, mask=latent_ok, other=0, volatile=True)
+        pending = jnp.sum((logit_words == sentinel).astype(jnp.int32), axis=1) + jnp.sum(
+            (latent_words == sentinel).astype(jnp.int32), axis=1
+        )
+        return logit_words, latent_words, pending
+
+    def again(carry):
+        *_, pending, spins = carry
+        return (jnp.sum(pending, axis=0) > 0) & (spins < spin_limit)
+
+    def spin(carry):
+        *_, spins = carry
+        # Once one program has timed out the step has failed: the others stop polling at once.
+        given_up = plgpu.load(status_ref.at[pl.ds(0, 1)], volatile=True)
+        return (*poll(), jnp.where(jnp.max(given_up) != 0, spin_limit, spins + 1))
+
+    logit_words, latent_words, pending, _ = lax.while_loop(again, spin, (*poll(), 0))
+
+    @pl.when(jnp.sum(pending, axis=0) > 0)
+    def _():
+        status_ref[0] = jnp.int32(mb.TIMEOUT)
+
+    x = lax.bitcast_convert_type(logit_words, jnp.float32)
+    plgpu.store(logits_ref.at[pl.ds(first, bb), pl.ds(0, lanes)], x, mask=logit_ok)
+    plgpu.store(latent_ref.at[pl.ds(first, bb), pl.ds(0, latent_lanes)], latent_words, mask=latent_ok)
+    plgpu.store(logit_cells, jnp.full(logit_words.shape, sentinel), mask=logit_ok)
+    plgpu.store(latent_cells, jnp.full(latent_words.shape, sentinel), mask=latent_ok)
+    control_ref[0] = generation
+
+    b = plgpu.load(bias_ref.at[pl.ds(0, lanes)], mask=lane[0] < experts, other=0.0)
+    ordered = rt.ordered_keys(x, b, lane < experts, interpret)
+    slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
+    ids = rt.select_ranked(ordered, lane, slot, k)
+    out_mask = row_ok & (slot < k)
+    if not interpret:
+        plgpu.debug_barrier()  # the logits stores above, by every thread, visible to the gather
+    chosen = plgpu.load(
+        logits_ref.at[jnp.broadcast_to(rows, (bb, slots)), ids], mask=out_mask, other=0.0
+    )
+    plgpu.store(ids_ref.at[pl.ds(first, bb), pl.ds(0, slots)], ids, mask=out_mask)
+    plgpu.store(
+        weights_ref.at[pl.ds(first, bb), pl.ds(0, slots)],
+        rt.routing_weights(chosen, slot, cfg, interpret),
+        mask=out_mask,
+    )
+
+
+def route_collect(
+    mailbox: mb.Mailbox,
+    status: jax.Array,
+    bias: jax.Array,
+    batch: int,
+    *,
+    spin_limit: int = SPIN_LIMIT,
+    interpret: bool = False,
+    config: rt.RouteConfig | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, mb.Mailbox]:
+    """Poll, copy out and re-arm rows ``[0, batch)`` of the generation last published, and route them.
+
+    Args:
+      mailbox: the ``Mailbox``, published for this step (``mailbox.cfg`` supplies the layout and the
+        routing constants).
+      status: int32 scalar, 0 (the publish's status word); updated in place.
+      bias: ``[E]`` float32 correction bias.
+      batch: rows to collect, in ``[1, capacity]``.
+      spin_limit: polls of a row before it is a timeout.
+      interpret: run in Pallas' interpret mode (any machine).
+      config: the routing schedule (``route.RouteConfig``); None picks ``route``'s.
+
+    Returns:
+      ``(ids [batch, K] int32, weights [batch, K] bfloat16, logits [batch, E] float32,
+      latent [batch, L] bfloat16, status, mailbox)``: what ``mailbox.collect`` then ``route.route``
+      return, the mailbox re-armed.
+
+    Raises:
+      ValueError: a wrong mailbox, batch, bias or status.
+      NotImplementedError: more than ``route.MAX_LANES`` experts.
+    """
+    cfg = mb.mailbox_config(mailbox)
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    mb.check_mailbox(mailbox, cfg, batch)
+    rt._check(jax.ShapeDtypeStruct((batch, cfg.experts), jnp.float32), bias, cfg)
+    if getattr(status, "shape", None) != () or status.dtype != jnp.int32:
+        raise ValueError(f"status must be an int32 scalar, got {getattr(status, 'shape', status)}")
+    config = config or rt.pick_config(batch, cfg.experts, cfg.top_k)
+    if not isinstance(config, rt.RouteConfig):
+        raise ValueError(f"config must be a RouteConfig or None, got {type(config).__name__}")
+    block_rows = min(config.block_rows, rt.next_power_of_2(batch))
+    words = mb.latent_words(cfg)
+    kernel = functools.partial(
+        _kernel,
+        batch=batch,
+        cfg=cfg,
+        lanes=rt.next_power_of_2(cfg.experts),
+        latent_lanes=rt.next_power_of_2(words),
+        slots=rt.next_power_of_2(cfg.top_k),
+        block_rows=block_rows,
+        spin_limit=spin_limit,
+        interpret=interpret,
+    )
+    buffer, control, status, ids, weights, logits, latent_words = pl.pallas_call(
+        kernel,
+        out_shape=[
+            jax.ShapeDtypeStruct(mailbox.buffer.shape, jnp.uint32),
+            jax.ShapeDtypeStruct(mailbox.control.shape, jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+            jax.ShapeDtypeStruct((batch, cfg.top_k), jnp.int32),
+            jax.ShapeDtypeStruct((batch, cfg.top_k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch, cfg.experts), jnp.float32),
+            jax.ShapeDtypeStruct((batch, words), jnp.uint32),
+        ],
+        grid=(pl.cdiv(batch, block_rows),),
+        input_output_aliases={0: 0, 1: 1, 2: 2},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        name="route_collect",
+    )(mailbox.buffer, mailbox.control, status.reshape(1), bias)
+    latent = lax.bitcast_convert_type(latent_words, jnp.bfloat16).reshape(batch, cfg.latent)
+    return ids, weights, logits, latent, status.reshape(()), mb.Mailbox(buffer, control, cfg)

@@ -1,0 +1,205 @@
+"""The routing kernel that polls the mailbox (``pallas/route_collect.py``): interpret mode against the
+plain-JAX collect followed by the reference routing, through ``moe_front`` against the direct path,
+timeouts, lowering for an H200, and on a GPU against the jax-triton collect and the routing kernel.
+
+Expected values come from the plain-JAX protocol (``mailbox.collect`` with ``backend="xla"``), the
+reference routing and the direct path, never from the kernel under test."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import moe_front_jax as mf
+from moe_front_jax import reference
+from moe_front_jax.bridge import mailbox as mb
+from moe_front_jax.pallas import route as rt
+from moe_front_jax.pallas import route_collect as rc
+from h200 import lower_for_h200
+from test_mailbox import (
+    SENTINEL,
+    SMALL,
+    assert_armed,
+    assert_bits_equal,
+    canonical_latent,
+    canonical_logits,
+    rows_of,
+    shards_with_negative_zeros,
+    weights_of,
+)
+
+WIDE = mf.FrontConfig(hidden=64, experts=1024, top_k=32, latent=40, shared=0, plan_block=2)
+
+
+def bias_of(cfg, seed):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.uniform(-0.05, 0.05, cfg.experts).astype(np.float32))
+
+
+def interpret(box, bias, batch, spin_limit=rc.SPIN_LIMIT):
+    return jax.jit(
+        lambda box, status, bias: rc.route_collect(
+            box, status, bias, batch, interpret=True, spin_limit=spin_limit
+        )
+    )(box, jnp.zeros((), jnp.int32), bias)
+
+
+def expected(box, bias, batch):
+    logits, latent, status, box = mb.collect(box, batch, backend="xla")
+    ids, weights = jax.jit(reference.route, static_argnums=2)(logits, bias, box.cfg)
+    return ids, weights, logits, latent, status, box
+
+
+@pytest.mark.parametrize(
+    "cfg, batches", [(SMALL, (1, 3, 8)), (mf.KIMI_K3, (1, 3)), (WIDE, (2,))], ids=["small", "k3", "wide"]
+)
+def test_interpret_equals_collect_then_route(cfg, batches):
+    """Over consecutive steps (generations rotating), rows of -0, subnormals and random values: the
+    same ids, weights, logits and latent bits, status 0, the mailbox left as the plain collect leaves
+    it (armed, control words updated)."""
+    box = mf.Mailbox.create(cfg, capacity=8)
+    bias = bias_of(cfg, 0)
+    for t, batch in enumerate(batches):
+        shards = shards_with_negative_zeros(cfg, batch, seed=t)
+        box = mb.publish(box, *shards, backend="xla")
+        want = expected(box, bias, batch)
+        *got, box = interpret(box, bias, batch)
+        for g, w in zip(got, want):
+            assert_bits_equal(g, w)
+        assert_bits_equal(got[2], canonical_logits(shards[0]))
+        assert_bits_equal(got[3], canonical_latent(shards[1]))
+        assert int(got[4]) == 0
+        assert_armed(box, t + 1)
+
+
+def test_never_published_rows_time_out_and_the_mailbox_recovers():
+    cfg, bias = SMALL, bias_of(SMALL, 1)
+    box = mf.Mailbox.create(cfg, capacity=8)
+    ids, weights, logits, _, status, box = interpret(box, bias, 3, spin_limit=4)
+    assert int(status) == mf.Mailbox.TIMEOUT
+    assert np.all(np.asarray(logits).view(np.uint32) == SENTINEL)
+    assert ((np.asarray(ids) >= 0) & (np.asarray(ids) < cfg.experts)).all()
+    assert_armed(box, 0)
+    # Rows beyond the published batch time out too; the next complete step is clean.
+    box = mb.publish(box, *shards_with_negative_zeros(cfg, 2, seed=0), backend="xla")
+    *_, status, box = interpret(box, bias, 3, spin_limit=4)
+    assert int(status) == mf.Mailbox.TIMEOUT
+    assert_armed(box, 1)
+    shards = shards_with_negative_zeros(cfg, 3, seed=1)
+    box = mb.publish(box, *shards, backend="xla")
+    _, _, logits, _, status, box = interpret(box, bias, 3, spin_limit=4)
+    assert int(status) == 0
+    assert_bits_equal(logits, canonical_logits(shards[0]))
+    assert_armed(box, 2)
+
+
+def test_moe_front_through_the_mailbox_runs_the_kernel_and_equals_direct():
+    """``backend="interpret"`` routes the mailbox path through this kernel (in interpret mode): over
+    four steps its outputs equal the direct path's (the -0 canonicalization aside), plan included."""
+    params = mf.pack_params(weights_of(SMALL, 0), SMALL)
+    step = jax.jit(mf.moe_front, static_argnames=("plan", "backend"), donate_argnames="mailbox")
+    direct = jax.jit(mf.moe_front, static_argnames=("plan", "backend"))
+    box = mf.Mailbox.create(SMALL, capacity=8)
+    jaxpr = jax.make_jaxpr(
+        lambda x, box: mf.moe_front(x, params, plan=True, backend="interpret", mailbox=box)
+    )(rows_of(SMALL, 3, 0), box)
+    assert "route_collect" in str(jaxpr) and "name=route\n" not in str(jaxpr)
+    for t, batch in enumerate([3, 8, 1, 8]):
+        x = rows_of(SMALL, batch, seed=t)
+        want = direct(x, params, plan=True, backend="interpret")
+        got, box = step(x, params, plan=True, backend="interpret", mailbox=box)
+        assert int(got.status) == 0
+        assert_bits_equal(got.ids, want.ids)
+        assert_bits_equal(got.weights, want.weights)
+        assert_bits_equal(got.logits, canonical_logits(want.logits))
+        assert_bits_equal(got.latent, canonical_latent(want.latent))
+        plan = jax.jit(reference.mxfp8_plan, static_argnums=1)(
+            jnp.asarray(canonical_latent(want.latent)), SMALL.plan_block
+        )
+        assert_bits_equal(got.plan[0], plan[0])
+        assert_bits_equal(got.plan[1], plan[1])
+        assert_armed(box, t + 1)
+
+
+def test_argument_errors():
+    box = mf.Mailbox.create(SMALL, capacity=4)
+    bias = bias_of(SMALL, 0)
+    zero = jnp.zeros((), jnp.int32)
+    with pytest.raises(ValueError, match="over the mailbox capacity 4"):
+        rc.route_collect(box, zero, bias, 5)
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        rc.route_collect(box, zero, bias, 0)
+    with pytest.raises(ValueError, match=r"bias must be \(26,\) float32"):
+        rc.route_collect(box, zero, bias[:3], 2)
+    with pytest.raises(ValueError, match="status must be an int32 scalar"):
+        rc.route_collect(box, jnp.zeros((1,), jnp.int32), bias, 2)
+    with pytest.raises(ValueError, match="mailbox must be a Mailbox"):
+        rc.route_collect("box", zero, bias, 2)
+
+
+@pytest.mark.parametrize("batch", [1, 64, 256])
+def test_lowers_for_h200_as_one_kernel_updating_the_mailbox_in_place(batch):
+    cfg = mf.KIMI_K3
+    box = mf.Mailbox.create(cfg, capacity=256)
+    text = lower_for_h200(
+        lambda box, status, bias: rc.route_collect(box, status, bias, batch),
+        box, jnp.zeros((), jnp.int32), bias_of(cfg, 0),
+    )
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "output_operand_aliases" in text
+    for op in ("stablehlo.sort", "stablehlo.gather", "stablehlo.divide", "stablehlo.dynamic_update"):
+        assert op not in text, (batch, op)
+
+
+def test_byte_count():
+    """Per row: the row read (L/2 + E words), written out as logits (4E) and latent (2L) bytes,
+    re-armed; the chosen logits read back, ids and weights written; the bias once."""
+    cfg, batch = mf.KIMI_K3, 64
+    row = 2 * cfg.latent + 4 * cfg.experts
+    per_row = row + (4 * cfg.experts + 2 * cfg.latent) + row + 4 * cfg.top_k + (4 + 2) * cfg.top_k
+    assert rc.route_collect_bytes(batch, cfg) == batch * per_row + 4 * cfg.experts
+
+
+# ---- GPU: the kernel against the jax-triton collect and the routing kernel ------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 64, 256])
+def test_gpu_equals_the_collect_kernel_then_the_route_kernel(batch):
+    cfg = mf.KIMI_K3
+    bias = bias_of(cfg, 2)
+    fused = jax.jit(lambda box, s: rc.route_collect(box, s, bias, batch), donate_argnums=0)
+    box = mf.Mailbox.create(cfg, capacity=256)
+    plain = mf.Mailbox.create(cfg, capacity=256)
+    for t in range(3):
+        shards = shards_with_negative_zeros(cfg, batch, seed=10 * batch + t)
+        box = mb.publish(box, *shards, backend="pallas")
+        plain = mb.publish(plain, *shards, backend="pallas")
+        *got, box = fused(box, jnp.zeros((), jnp.int32))
+        logits, latent, status, plain = mb.collect(plain, batch, backend="pallas")
+        ids, weights = rt.route(logits, bias, cfg)
+        for g, w in zip(got, (ids, weights, logits, latent, status)):
+            assert_bits_equal(g, w)
+        assert int(got[4]) == 0
+        assert_bits_equal(box.buffer, plain.buffer)
+        assert_armed(box, t + 1)
+
+
+@pytest.mark.gpu
+def test_gpu_never_published_rows_time_out_within_a_second():
+    cfg = mf.KIMI_K3
+    bias = bias_of(cfg, 3)
+    run = jax.jit(lambda box: rc.route_collect(box, jnp.zeros((), jnp.int32), bias, 256),
+                  donate_argnums=0)
+    box = mf.Mailbox.create(cfg, capacity=256)
+    *_, status, box = run(box)  # compiles; times out too
+    assert int(status) == mf.Mailbox.TIMEOUT
+    start = time.perf_counter()
+    _, _, logits, _, status, box = jax.block_until_ready(run(box))
+    elapsed = time.perf_counter() - start
+    assert int(status) == mf.Mailbox.TIMEOUT
+    assert elapsed < 1.0, f"the timed-out route_collect took {elapsed:.3f} s"
+    assert np.all(np.asarray(logits).view(np.uint32) == SENTINEL)
+    assert_armed(box, 0)
