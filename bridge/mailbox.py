@@ -487,7 +487,7 @@ def exchange(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("axis_name", "backend", "transport"), donate_argnames="mailbox"
+    jax.jit, static_argnames=("axis_name", "backend", "transport", "plan"), donate_argnames="mailbox"
 )
 def exchange_route(
     mailbox: Mailbox,
@@ -498,37 +498,50 @@ def exchange_route(
     axis_name: str | None = None,
     backend: str = "auto",
     transport: str = "gather",
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, Mailbox]:
-    """``exchange``, then the routing step of SPEC section 4 over the collected logits.
+    plan: bool = False,
+) -> tuple:
+    """``exchange``, then the routing step of SPEC section 4 over the collected logits (and, with
+    ``plan``, the MXFP8 plan of the collected latent, SPEC section 5).
 
     Where ``backend`` runs the routing kernel (``"pallas"``, ``"interpret"``, ``"auto"`` on a GPU),
-    that kernel polls the mailbox itself (``pallas/route_collect.py``: collect and route in one
-    launch); otherwise ``exchange`` and the reference routing run one after the other. The outputs are
-    the same bits either way.
+    that kernel polls the mailbox itself (``pallas/route_collect.py``: collect, route and plan in one
+    launch); otherwise ``exchange``, the routing and the plan stages run one after the other. The
+    outputs are the same bits either way.
 
     Args:
       mailbox, logits, latent_shard, axis_name, backend, transport: as for ``exchange``.
       bias: ``[E]`` float32 correction bias.
+      plan: also return the plan.
 
     Returns:
       ``(ids [B, K] int32, weights [B, K] bfloat16, logits [B, E] float32, latent [B, L] bfloat16,
-      status int32 scalar, mailbox)``.
+      plan, status int32 scalar, mailbox)``; ``plan`` is ``(values [B, L] float8_e4m3fn, scales
+      [B, L / plan_block] float8_e8m0fnu)``, or None without ``plan``.
 
     Raises:
       As ``exchange``; a wrong bias is a ValueError.
     """
+    from moe_front_jax.pallas import route_collect
+
+    cfg = mailbox_config(mailbox)
     route = backends.stage("route", backend)
     if route is backends.REFERENCE["route"]:
         logits, latent, status, mailbox = exchange(
             mailbox, logits, latent_shard, axis_name=axis_name, backend=backend, transport=transport
         )
-        return (*route(logits, bias, mailbox.cfg), logits, latent, status, mailbox)
+        ids, weights = route(logits, bias, cfg)
+        planned = backends.stage("plan", backend)(latent, cfg.plan_block) if plan else None
+        return ids, weights, logits, latent, planned, status, mailbox
     batch = _check_exchange(mailbox, logits, latent_shard, axis_name, transport)
     mailbox, status = _publish_all(mailbox, logits, latent_shard, axis_name, backend, transport)
     if status is None:
         status = jnp.zeros((), jnp.int32)
-    from moe_front_jax.pallas import route_collect
-
-    return route_collect.route_collect(
-        mailbox, status, bias, batch, interpret=backend == "interpret"
+    with_plan = plan and route_collect.fuses_plan(cfg)
+    *out, status, mailbox = route_collect.route_collect(
+        mailbox, status, bias, batch, with_plan=with_plan, interpret=backend == "interpret"
     )
+    if plan and not with_plan:
+        out.append(backends.stage("plan", backend)(out[3], cfg.plan_block))
+    elif not plan:
+        out.append(None)
+    return (*out, status, mailbox)

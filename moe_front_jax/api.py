@@ -168,17 +168,14 @@ def moe_front(
     if mailbox is None:
         ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
     else:
-        ids, weights, logits, latent, status, mailbox = mailboxes.exchange_route(
-            mailbox, logits, latent, params.bias, backend=backend
+        ids, weights, logits, latent, planned, status, mailbox = mailboxes.exchange_route(
+            mailbox, logits, latent, params.bias, backend=backend, plan=plan
         )
     shared = None
     if params.has_shared:
         shared = backends.stage("shared_expert", backend)(
             x, params.gate_up, params.down, cfg, jnp.bfloat16
         )
-    if plan and planned is None:
-        # Through the mailbox the plan is of the latent as collected (a bf16 -0 arrives as +0).
-        planned = backends.stage("plan", backend)(latent, cfg.plan_block)
     out = FrontOutput(ids, weights, latent, logits, shared, planned, status)
     return out if mailbox is None else (out, mailbox)
 

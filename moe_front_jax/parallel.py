@@ -299,11 +299,12 @@ def rank_front(
     if mailbox is None:
         logits, latent = exchange(logits, latent_shard, axis_name)
         ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
+        planned = backends.stage("plan", backend)(latent, cfg.plan_block) if plan else None
     else:
         transport = "peer" if mailboxes.uses_kernels(backend) else "gather"
-        ids, weights, logits, latent, status, mailbox = mailboxes.exchange_route(
+        ids, weights, logits, latent, planned, status, mailbox = mailboxes.exchange_route(
             mailbox, logits, latent_shard, params.bias, axis_name=axis_name, backend=backend,
-            transport=transport,
+            transport=transport, plan=plan,
         )
     shared = None
     if params.has_shared:
@@ -311,7 +312,6 @@ def rank_front(
             x, params.gate_up, params.down, cfg, jnp.float32
         )
         shared = reduce_shared(partial, axis_name, shared_reduce)
-    planned = backends.stage("plan", backend)(latent, cfg.plan_block) if plan else None
     return (ids, weights, latent, logits, shared, planned, status), mailbox
 
 

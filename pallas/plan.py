@@ -63,6 +63,22 @@ MAX_TILE = 8192
 """Most elements one program holds (16 KB of bf16: 32 registers a thread at 8 warps)."""
 
 
+def magnitude_bits(blocks: jax.Array) -> jax.Array:
+    """The int32 bits of ``|v|`` for float32 ``blocks``: their integer max is the block's amax (float
+    order for numbers, and NaN above infinity as in XLA)."""
+    return lax.bitcast_convert_type(blocks, jnp.int32) & 0x7FFFFFFF
+
+
+def to_e4m3(blocks: jax.Array, exponent: jax.Array) -> jax.Array:
+    """float32 ``blocks`` scaled down by their E8M0 ``exponent`` (broadcast against them), clamped to
+    +-448 and rounded to float8_e4m3fn (nearest even)."""
+    scaled = reference.e8m0_scale_down(blocks, exponent)
+    # Selects rather than min/max: Triton's float min/max drop NaN, the reference keeps it.
+    top = reference.E4M3_MAX
+    scaled = jnp.where(scaled > top, top, jnp.where(scaled < -top, -top, scaled))
+    return scaled.astype(jnp.float8_e4m3fn)
+
+
 def quantize_tile(latent: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     """The MXFP8 plan of a tile of latent rows, inside a Pallas kernel (or anywhere in JAX).
 
@@ -78,15 +94,37 @@ def quantize_tile(latent: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     rows, cols = latent.shape
     # Blocks along the minor axis: each is a run of one row's registers, no layout shuffle.
     blocks = latent.astype(jnp.float32).reshape(rows, cols // block, block)
-    magnitude = lax.bitcast_convert_type(blocks, jnp.int32) & 0x7FFFFFFF
-    # Integer max of |v|'s bits: float order for numbers, and NaN above infinity as in XLA.
-    exponent = reference.plan_scale_exponent(jnp.max(magnitude, axis=2))  # [rows, cols / block]
-    scaled = reference.e8m0_scale_down(blocks, exponent[:, :, None])
-    # Selects rather than min/max: Triton's float min/max drop NaN, the reference keeps it.
-    top = reference.E4M3_MAX
-    scaled = jnp.where(scaled > top, top, jnp.where(scaled < -top, -top, scaled))
-    values = scaled.reshape(rows, cols).astype(jnp.float8_e4m3fn)
+    exponent = reference.plan_scale_exponent(jnp.max(magnitude_bits(blocks), axis=2))
+    values = to_e4m3(blocks, exponent[:, :, None]).reshape(rows, cols)
     return values, exponent.astype(jnp.uint8)
+
+
+def quantize_word_tile(words: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """``quantize_tile`` of latent columns packed in pairs into uint32 words (the mailbox's layout).
+
+    Args:
+      words: ``[rows, n]`` uint32, word ``i`` holding bfloat16 columns ``2i`` (low half) and ``2i + 1``
+        (high half); ``n`` a multiple of ``block / 2``.
+      block: elements per scale, at least 2.
+
+    Returns:
+      ``values`` ``[rows, n]`` uint16, word ``i`` holding the float8_e4m3fn bytes of columns ``2i``
+      (low byte) and ``2i + 1``, and ``scales`` ``[rows, 2n / block]`` uint8, the same bits as
+      ``quantize_tile`` of the unpacked columns.
+    """
+    rows, n = words.shape
+    shape = (rows, 2 * n // block, block // 2)
+    # A bfloat16 is the high half of the float32 it widens to: no conversion, a shift or a mask.
+    low = lax.bitcast_convert_type(words << 16, jnp.float32).reshape(shape)
+    high = lax.bitcast_convert_type(words & jnp.uint32(0xFFFF0000), jnp.float32).reshape(shape)
+    amax = jnp.max(jnp.maximum(magnitude_bits(low), magnitude_bits(high)), axis=2)
+    exponent = reference.plan_scale_exponent(amax)[:, :, None]
+
+    def byte(blocks):
+        e4m3 = to_e4m3(blocks, exponent).reshape(rows, n)
+        return lax.bitcast_convert_type(e4m3, jnp.uint8).astype(jnp.uint16)
+
+    return byte(low) | (byte(high) << 8), exponent[:, :, 0].astype(jnp.uint8)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,10 @@ last published, what ``mailbox.collect`` followed by ``route.route`` does, in on
    them as bfloat16 columns), exactly the words ``collect`` copies;
 3. re-arm the row's data words with the sentinel and record the generation read in ``control[0]``;
 4. route the logits as ``route.route`` does (``ordered_keys``, ``select_ranked``, ``routing_weights``
-   are that kernel's functions): ids and weights are bit-equal to collect-then-route.
+   are that kernel's functions): ids and weights are bit-equal to collect-then-route;
+5. on request (``with_plan``), write the MXFP8 plan of the latent from the same registers
+   (``plan.quantize_word_tile``, the plan kernel's tile math on the packed words): the plan in the pass
+   that writes the latent, as SPEC section 5 and issue #7 ask, with no second read of it.
 
 Why one kernel: on the mailbox path at decode batch sizes each kernel costs its launch and its first
 round trip to memory, not bandwidth (``triton_mailbox``'s byte counts). The collect's copy needs the
@@ -34,7 +37,8 @@ Cost per call, for ``W = L / 2 + E`` data words a row (2688 for Kimi-K3, 10.5 KB
   bytes  = 4 * B * W          the row read (once, when the publish has landed before the kernel)
          + 8 * B * W          written out, then re-armed
          + route.route_bytes  less its logits read (the row holds them)
-  FLOPs  = route.route's
+         + B * L * (1 + 1 / plan_block)   with the plan: values and scale bytes written
+  FLOPs  = route.route's (+ plan.plan's, about 6 * B * L, with the plan)
 """
 
 from __future__ import annotations
@@ -48,21 +52,30 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_front_jax.bridge import mailbox as mb
+from moe_front_jax.pallas import plan
 from moe_front_jax.pallas import route as rt
 
 SPIN_LIMIT = 1 << 17
 """Polls of a row before the kernel reports ``TIMEOUT`` (as ``triton_mailbox.SPIN_LIMIT``)."""
 
 
-def route_collect_bytes(batch: int, cfg) -> int:
+def route_collect_bytes(batch: int, cfg, with_plan: bool = False) -> int:
     """Bytes one call moves when the rows have landed (the docstring's count)."""
     words = mb.data_words(cfg)
-    return 12 * batch * words + rt.route_bytes(batch, cfg.experts, cfg.top_k) - 4 * batch * cfg.experts
+    total = 12 * batch * words + rt.route_bytes(batch, cfg.experts, cfg.top_k) - 4 * batch * cfg.experts
+    return total + (batch * cfg.latent + batch * cfg.latent // cfg.plan_block) * with_plan
+
+
+def fuses_plan(cfg) -> bool:
+    """Whether the kernel can write the MXFP8 plan of ``cfg``'s latent: blocks of a power of two of
+    at least 2 columns (whole words); other block sizes go to the plan stage."""
+    block = cfg.plan_block
+    return block >= 2 and not block & (block - 1)
 
 
 def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref, status_ref,
-            ids_ref, weights_ref, logits_ref, latent_ref, *, batch, cfg, lanes, latent_lanes, slots,
-            block_rows, spin_limit, interpret):
+            ids_ref, weights_ref, logits_ref, latent_ref, *plan_refs, batch, cfg, lanes,
+            latent_lanes, slots, block_rows, spin_limit, interpret):
     del buffer_in, control_in, status_in  # aliased to buffer_ref, control_ref, status_ref
     bb, k, experts = block_rows, cfg.top_k, cfg.experts
     words = mb.latent_words(cfg)
@@ -112,6 +125,17 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
     x = lax.bitcast_convert_type(logit_words, jnp.float32)
     plgpu.store(logits_ref.at[pl.ds(first, bb), pl.ds(0, lanes)], x, mask=logit_ok)
     plgpu.store(latent_ref.at[pl.ds(first, bb), pl.ds(0, latent_lanes)], latent_words, mask=latent_ok)
+    if plan_refs:
+        values_ref, scales_ref = plan_refs
+        block = cfg.plan_block
+        values, scales = plan.quantize_word_tile(latent_words, block)
+        scale_lane = lax.broadcasted_iota(jnp.int32, (1, 2 * latent_lanes // block), 1)
+        plgpu.store(values_ref.at[pl.ds(first, bb), pl.ds(0, latent_lanes)], values, mask=latent_ok)
+        plgpu.store(
+            scales_ref.at[pl.ds(first, bb), pl.ds(0, scales.shape[1])],
+            scales,
+            mask=row_ok & (scale_lane < cfg.latent // block),
+        )
     plgpu.store(logit_cells, jnp.full(logit_words.shape, sentinel), mask=logit_ok)
     plgpu.store(latent_cells, jnp.full(latent_words.shape, sentinel), mask=latent_ok)
     control_ref[0] = generation
@@ -140,10 +164,11 @@ def route_collect(
     bias: jax.Array,
     batch: int,
     *,
+    with_plan: bool = False,
     spin_limit: int = SPIN_LIMIT,
     interpret: bool = False,
     config: rt.RouteConfig | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, mb.Mailbox]:
+) -> tuple:
     """Poll, copy out and re-arm rows ``[0, batch)`` of the generation last published, and route them.
 
     Args:
@@ -152,6 +177,8 @@ def route_collect(
       status: int32 scalar, 0 (the publish's status word); updated in place.
       bias: ``[E]`` float32 correction bias.
       batch: rows to collect, in ``[1, capacity]``.
+      with_plan: also write the MXFP8 plan of the latent from the same registers (needs
+        ``fuses_plan(mailbox.cfg)``).
       spin_limit: polls of a row before it is a timeout.
       interpret: run in Pallas' interpret mode (any machine).
       config: the routing schedule (``route.RouteConfig``); None picks ``route``'s.
@@ -159,10 +186,12 @@ def route_collect(
     Returns:
       ``(ids [batch, K] int32, weights [batch, K] bfloat16, logits [batch, E] float32,
       latent [batch, L] bfloat16, status, mailbox)``: what ``mailbox.collect`` then ``route.route``
-      return, the mailbox re-armed.
+      return, the mailbox re-armed. With ``with_plan``, ``(values [batch, L] float8_e4m3fn, scales
+      [batch, L / plan_block] float8_e8m0fnu)`` follows the latent: ``plan.plan`` of it, bit for bit.
 
     Raises:
-      ValueError: a wrong mailbox, batch, bias or status.
+      ValueError: a wrong mailbox, batch, bias or status; ``with_plan`` with a plan block the kernel
+        does not fuse.
       NotImplementedError: more than ``route.MAX_LANES`` experts.
     """
     cfg = mb.mailbox_config(mailbox)
@@ -172,6 +201,10 @@ def route_collect(
     rt._check(jax.ShapeDtypeStruct((batch, cfg.experts), jnp.float32), bias, cfg)
     if getattr(status, "shape", None) != () or status.dtype != jnp.int32:
         raise ValueError(f"status must be an int32 scalar, got {getattr(status, 'shape', status)}")
+    if with_plan and not fuses_plan(cfg):
+        raise ValueError(
+            f"with_plan needs a plan_block that is a power of two >= 2, got {cfg.plan_block}"
+        )
     config = config or rt.pick_config(batch, cfg.experts, cfg.top_k)
     if not isinstance(config, rt.RouteConfig):
         raise ValueError(f"config must be a RouteConfig or None, got {type(config).__name__}")
@@ -188,7 +221,11 @@ def route_collect(
         spin_limit=spin_limit,
         interpret=interpret,
     )
-    buffer, control, status, ids, weights, logits, latent_words = pl.pallas_call(
+    plan_shapes = [
+        jax.ShapeDtypeStruct((batch, words), jnp.uint16),
+        jax.ShapeDtypeStruct((batch, cfg.latent // cfg.plan_block), jnp.uint8),
+    ]
+    buffer, control, status, ids, weights, logits, latent_words, *planned = pl.pallas_call(
         kernel,
         out_shape=[
             jax.ShapeDtypeStruct(mailbox.buffer.shape, jnp.uint32),
@@ -198,6 +235,7 @@ def route_collect(
             jax.ShapeDtypeStruct((batch, cfg.top_k), jnp.bfloat16),
             jax.ShapeDtypeStruct((batch, cfg.experts), jnp.float32),
             jax.ShapeDtypeStruct((batch, words), jnp.uint32),
+            *(plan_shapes if with_plan else []),
         ],
         grid=(pl.cdiv(batch, block_rows),),
         input_output_aliases={0: 0, 1: 1, 2: 2},
@@ -206,4 +244,9 @@ def route_collect(
         name="route_collect",
     )(mailbox.buffer, mailbox.control, status.reshape(1), bias)
     latent = lax.bitcast_convert_type(latent_words, jnp.bfloat16).reshape(batch, cfg.latent)
-    return ids, weights, logits, latent, status.reshape(()), mb.Mailbox(buffer, control, cfg)
+    out = (ids, weights, logits, latent)
+    if with_plan:
+        values, scales = planned
+        values = lax.bitcast_convert_type(values, jnp.float8_e4m3fn).reshape(batch, cfg.latent)
+        out += ((values, lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)),)
+    return (*out, status.reshape(()), mb.Mailbox(buffer, control, cfg))

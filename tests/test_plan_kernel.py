@@ -228,8 +228,9 @@ def small_front(cfg):
 
 
 @pytest.mark.parametrize("plan_block", [32, 2])
-def test_moe_front_mailbox_path_plans_with_the_kernel(plan_spy, plan_block):
-    """With a mailbox the plan is of the collected latent, by the plan kernel (interpret mode)."""
+def test_moe_front_mailbox_path_plans_in_the_collecting_kernel(plan_spy, plan_block):
+    """With a mailbox the plan is of the collected latent, written by the routing kernel that
+    collects it (``route_collect``, interpret mode): the standalone plan kernel does not run."""
     cfg = mf.FrontConfig(hidden=64, experts=26, top_k=4, latent=64, shared=0, plan_block=plan_block)
     x, params = small_front(cfg)
     box = mf.Mailbox.create(cfg, capacity=8)
@@ -237,7 +238,7 @@ def test_moe_front_mailbox_path_plans_with_the_kernel(plan_spy, plan_block):
         functools.partial(mf.moe_front, plan=True, backend="interpret"), donate_argnames="mailbox"
     )
     out, box = step(x, params, mailbox=box)
-    assert int(out.status) == 0 and len(plan_spy) == 1 and plan_spy[0] == {"interpret": True}
+    assert int(out.status) == 0 and plan_spy == []
     direct = mf.moe_front(x, params, backend="xla")
     np.testing.assert_array_equal(np.asarray(out.ids), np.asarray(direct.ids))
     for got, want in zip(plan_bytes(out.plan), plan_bytes(reference_plan(out.latent, plan_block))):

@@ -15,6 +15,7 @@ import pytest
 import moe_front_jax as mf
 from moe_front_jax import reference
 from moe_front_jax.bridge import mailbox as mb
+from moe_front_jax.pallas import plan as pallas_plan
 from moe_front_jax.pallas import route as rt
 from moe_front_jax.pallas import route_collect as rc
 from h200 import lower_for_h200
@@ -38,10 +39,10 @@ def bias_of(cfg, seed):
     return jnp.asarray(rng.uniform(-0.05, 0.05, cfg.experts).astype(np.float32))
 
 
-def interpret(box, bias, batch, spin_limit=rc.SPIN_LIMIT):
+def interpret(box, bias, batch, spin_limit=rc.SPIN_LIMIT, with_plan=False):
     return jax.jit(
         lambda box, status, bias: rc.route_collect(
-            box, status, bias, batch, interpret=True, spin_limit=spin_limit
+            box, status, bias, batch, interpret=True, spin_limit=spin_limit, with_plan=with_plan
         )
     )(box, jnp.zeros((), jnp.int32), bias)
 
@@ -58,14 +59,21 @@ def expected(box, bias, batch):
 def test_interpret_equals_collect_then_route(cfg, batches):
     """Over consecutive steps (generations rotating), rows of -0, subnormals and random values: the
     same ids, weights, logits and latent bits, status 0, the mailbox left as the plain collect leaves
-    it (armed, control words updated)."""
+    it (armed, control words updated); with the plan (every other step), the reference plan of the
+    collected latent."""
     box = mf.Mailbox.create(cfg, capacity=8)
     bias = bias_of(cfg, 0)
     for t, batch in enumerate(batches):
         shards = shards_with_negative_zeros(cfg, batch, seed=t)
         box = mb.publish(box, *shards, backend="xla")
         want = expected(box, bias, batch)
-        *got, box = interpret(box, bias, batch)
+        with_plan = t % 2 == 0
+        *got, box = interpret(box, bias, batch, with_plan=with_plan)
+        if with_plan:
+            values, scales = got.pop(4)
+            plan = reference.mxfp8_plan(jnp.asarray(canonical_latent(shards[1])), cfg.plan_block)
+            assert_bits_equal(values, plan[0])
+            assert_bits_equal(scales, plan[1])
         for g, w in zip(got, want):
             assert_bits_equal(g, w)
         assert_bits_equal(got[2], canonical_logits(shards[0]))
@@ -137,14 +145,18 @@ def test_argument_errors():
         rc.route_collect(box, jnp.zeros((1,), jnp.int32), bias, 2)
     with pytest.raises(ValueError, match="mailbox must be a Mailbox"):
         rc.route_collect("box", zero, bias, 2)
+    odd = mf.FrontConfig(hidden=64, experts=26, top_k=4, latent=36, shared=0, plan_block=3)
+    assert rc.fuses_plan(SMALL) and rc.fuses_plan(mf.KIMI_K3) and not rc.fuses_plan(odd)
+    with pytest.raises(ValueError, match="plan_block that is a power of two >= 2, got 3"):
+        rc.route_collect(mf.Mailbox.create(odd, capacity=4), zero, bias_of(odd, 0), 2, with_plan=True)
 
 
-@pytest.mark.parametrize("batch", [1, 64, 256])
-def test_lowers_for_h200_as_one_kernel_updating_the_mailbox_in_place(batch):
+@pytest.mark.parametrize("batch, with_plan", [(1, False), (64, True), (256, False), (256, True)])
+def test_lowers_for_h200_as_one_kernel_updating_the_mailbox_in_place(batch, with_plan):
     cfg = mf.KIMI_K3
     box = mf.Mailbox.create(cfg, capacity=256)
     text = lower_for_h200(
-        lambda box, status, bias: rc.route_collect(box, status, bias, batch),
+        lambda box, status, bias: rc.route_collect(box, status, bias, batch, with_plan=with_plan),
         box, jnp.zeros((), jnp.int32), bias_of(cfg, 0),
     )
     assert text.count("__gpu$xla.gpu.triton") == 1
@@ -160,6 +172,8 @@ def test_byte_count():
     row = 2 * cfg.latent + 4 * cfg.experts
     per_row = row + (4 * cfg.experts + 2 * cfg.latent) + row + 4 * cfg.top_k + (4 + 2) * cfg.top_k
     assert rc.route_collect_bytes(batch, cfg) == batch * per_row + 4 * cfg.experts
+    plan = batch * cfg.latent + batch * cfg.latent // 32  # e4m3 values and E8M0 scales
+    assert rc.route_collect_bytes(batch, cfg, with_plan=True) == batch * per_row + 4 * cfg.experts + plan
 
 
 # ---- GPU: the kernel against the jax-triton collect and the routing kernel ------------------------
@@ -167,10 +181,12 @@ def test_byte_count():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 64, 256])
-def test_gpu_equals_the_collect_kernel_then_the_route_kernel(batch):
+def test_gpu_equals_the_collect_kernel_then_the_route_and_plan_kernels(batch):
     cfg = mf.KIMI_K3
     bias = bias_of(cfg, 2)
-    fused = jax.jit(lambda box, s: rc.route_collect(box, s, bias, batch), donate_argnums=0)
+    fused = jax.jit(
+        lambda box, s: rc.route_collect(box, s, bias, batch, with_plan=True), donate_argnums=0
+    )
     box = mf.Mailbox.create(cfg, capacity=256)
     plain = mf.Mailbox.create(cfg, capacity=256)
     for t in range(3):
@@ -180,9 +196,11 @@ def test_gpu_equals_the_collect_kernel_then_the_route_kernel(batch):
         *got, box = fused(box, jnp.zeros((), jnp.int32))
         logits, latent, status, plain = mb.collect(plain, batch, backend="pallas")
         ids, weights = rt.route(logits, bias, cfg)
-        for g, w in zip(got, (ids, weights, logits, latent, status)):
+        values, scales = pallas_plan.plan(latent, cfg.plan_block)
+        want = (ids, weights, logits, latent, (values, scales), status)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert_bits_equal(g, w)
-        assert int(got[4]) == 0
+        assert int(got[-1]) == 0
         assert_bits_equal(box.buffer, plain.buffer)
         assert_armed(box, t + 1)
 
