@@ -9,7 +9,10 @@ the script times, with CUPTI (summed kernel time per call), in one process:
   mailbox (``pallas/route_collect.py``);
 - ``separate``: the same step with the collect as its own kernel (``bridge.mailbox.exchange``, then
   the routing kernel on the collected logits), as the mailbox path ran before ``route_collect``;
-- ``exchange``: the mailbox alone (``bridge.mailbox.exchange``: publish + collect), and its two kernels.
+- ``exchange``: the mailbox alone (``bridge.mailbox.exchange``: publish + collect), and its two kernels;
+- ``direct_plan`` and ``mailbox_plan``: both paths with ``plan=True`` (issue 7: the plan adds at most
+  1 us to the latent write), the direct path planning with the plan kernel after XLA's GEMM, the
+  mailbox path from the collecting kernel.
 
 Three weight copies (3 x 64 MB, over the 60 MB L2) and three inputs rotate; no input is zero. Also
 measured: how long a collect, and a ``route_collect``, on a never-published mailbox take to return
@@ -105,15 +108,15 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
         (jax.random.normal(jax.random.key(100 + i), (batch, cfg.hidden)) + 0.1).astype(jnp.bfloat16)
         for i in range(COPIES)
     ]
-    direct = jax.jit(mf.moe_front)
-    step = jax.jit(mf.moe_front, donate_argnames="mailbox")
+    direct = jax.jit(mf.moe_front, static_argnames="plan")
+    step = jax.jit(mf.moe_front, static_argnames="plan", donate_argnames="mailbox")
     state = dict(box=mf.Mailbox.create(cfg, capacity=max(BATCHES)), statuses=[])
 
-    def run_direct(i):
-        return direct(xs[i % COPIES], params[i % COPIES])
+    def run_direct(i, plan=False):
+        return direct(xs[i % COPIES], params[i % COPIES], plan=plan)
 
-    def run_mailbox(i):
-        out, state["box"] = step(xs[i % COPIES], params[i % COPIES], mailbox=state["box"])
+    def run_mailbox(i, plan=False):
+        out, state["box"] = step(xs[i % COPIES], params[i % COPIES], plan=plan, mailbox=state["box"])
         state["statuses"].append(out.status)
         return out
 
@@ -128,7 +131,13 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
         state["statuses"].append(status)
         return out
 
-    runs = {"direct": run_direct, "mailbox": run_mailbox, "separate": run_separate}
+    runs = {
+        "direct": run_direct,
+        "mailbox": run_mailbox,
+        "separate": run_separate,
+        "direct_plan": functools.partial(run_direct, plan=True),
+        "mailbox_plan": functools.partial(run_mailbox, plan=True),
+    }
     rounds = {name: [] for name in runs}
     for _ in range(2):  # interleaved, so that drift of the shared machine hits every path alike
         for name, run in runs.items():
@@ -146,12 +155,16 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
     statuses = {int(s) for s in state["statuses"]}
     if statuses != {0}:
         raise RuntimeError(f"B={batch}: mailbox statuses {statuses}, expected only 0")
-    d, m, s = (summarize(rounds[name]) for name in runs)
+    d, m, s, dp, mp = (summarize(rounds[name]) for name in runs)
     return dict(
         batch=batch,
         direct=d,
         mailbox=m,
         separate=s,
+        direct_plan=dp,
+        mailbox_plan=mp,
+        plan_added_direct_us=dp["us"] - d["us"],
+        plan_added_mailbox_us=mp["us"] - m["us"],
         exchange=exchange,
         added_us=m["us"] - d["us"],
         separate_added_us=s["us"] - d["us"],
@@ -336,15 +349,17 @@ def main():
     print()
     print(
         "| B | direct us | mailbox us | added us | publish us | route_collect us | route (direct) us "
-        "| separate collect: added us | exchange alone us |"
+        "| separate collect: added us | exchange alone us | plan adds, direct us "
+        "| plan adds, mailbox us |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in report["batches"]:
         d, m = row["direct"]["us"], row["mailbox"]["us"]
         print(
             f"| {row['batch']} | {d:.2f} | {m:.2f} | {row['added_us']:+.2f} | {row['publish_us']:.2f} "
             f"| {row['route_collect_us']:.2f} | {row['route_us']:.2f} | "
-            f"{row['separate_added_us']:+.2f} | {row['exchange']['us']:.2f} |"
+            f"{row['separate_added_us']:+.2f} | {row['exchange']['us']:.2f} | "
+            f"{row['plan_added_direct_us']:+.2f} | {row['plan_added_mailbox_us']:+.2f} |"
         )
 
 
