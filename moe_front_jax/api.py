@@ -156,10 +156,10 @@ def moe_front(
         )
     status = jnp.zeros((), jnp.int32)
     planned = None
-    if plan and mailbox is None:
+    gemm_plan = backends.stage("front_gemm_plan", backend)
+    if plan and mailbox is None and gemm_plan is not backends.REFERENCE["front_gemm_plan"]:
         # The kernel writes the plan from the GEMM's epilogue: no second pass over the latent.
-        gemm = backends.stage("front_gemm_plan", backend)
-        logits, latent, planned = gemm(
+        logits, latent, planned = gemm_plan(
             x, params.packed, params.split, cfg.experts_per_rank, cfg.plan_block
         )
     else:
@@ -167,6 +167,8 @@ def moe_front(
         logits, latent = gemm(x, params.packed, params.split, cfg.experts_per_rank)
     if mailbox is None:
         ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
+        if plan and planned is None:  # XLA's GEMM ("auto" on a GPU), then the plan stage
+            planned = backends.stage("plan", backend)(latent, cfg.plan_block)
     else:
         ids, weights, logits, latent, planned, status, mailbox = mailboxes.exchange_route(
             mailbox, logits, latent, params.bias, backend=backend, plan=plan
