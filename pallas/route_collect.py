@@ -114,9 +114,10 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
         *_, spins = carry
         # Once one program has timed out the step has failed: the others stop polling at once.
         given_up = plgpu.load(status_ref.at[pl.ds(0, 1)], volatile=True)
-        return (*poll(), jnp.where(jnp.max(given_up) != 0, spin_limit, spins + 1))
+        limit, one = jnp.int32(spin_limit), jnp.int32(1)
+        return (*poll(), jnp.where(jnp.max(given_up) != 0, limit, spins + one))
 
-    logit_words, latent_words, pending, _ = lax.while_loop(again, spin, (*poll(), 0))
+    logit_words, latent_words, pending, _ = lax.while_loop(again, spin, (*poll(), jnp.int32(0)))
 
     @pl.when(jnp.sum(pending, axis=0) > 0)
     def _():

@@ -4,7 +4,10 @@ Interpret mode accepts operations that the GPU lowering rejects; lowering the ji
 ``cuda`` proves that each kernel gets through Pallas' GPU lowering.
 """
 
+import contextlib
+
 import jax
+from jax._src.pallas.triton import pallas_call_registration
 from jax.sharding import AbstractDevice, AbstractMesh
 
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
@@ -16,6 +19,25 @@ def lower_for_h200(fn, *args, **kwargs) -> str:
     The arrays in ``args`` must exist before the call (they are created on the CPU).
     """
     mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
-    with jax.sharding.use_abstract_mesh(mesh):
+    with jax.sharding.use_abstract_mesh(mesh), verified_triton_modules():
         lowered = jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
     return lowered.as_text()
+
+
+@contextlib.contextmanager
+def verified_triton_modules():
+    """Run MLIR's verifier on every Triton module Pallas lowers (raising on a malformed one): on the
+    GPU XLA rejects such a module when it parses it, after the lowering has succeeded here."""
+    lowering = pallas_call_registration.lowering
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = lower_and_verify
+    try:
+        yield
+    finally:
+        lowering.lower_jaxpr_to_triton_module = lower
