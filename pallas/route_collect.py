@@ -86,6 +86,8 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
     row_ok = rows < batch
     logit_ok = row_ok & (lane < experts)
     latent_ok = row_ok & (latent_lane < words)
+    # The bias does not depend on the generation: its load is in flight beside the control word's.
+    b = plgpu.load(bias_ref.at[pl.ds(0, lanes)], mask=lane[0] < experts, other=0.0)
     generation = control_ref[1]
     sentinel = jnp.uint32(mb.SENTINEL)
     # Index arrays, not slices: the padded lane ranges run past the row (masked).
@@ -97,6 +99,8 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
         jnp.broadcast_to(rows, (bb, latent_lanes)),
         jnp.broadcast_to(latent_lane, (bb, latent_lanes)),
     ]
+    slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
+    out_mask = row_ok & (slot < k)
 
     def poll():
         logit_words = plgpu.load(logit_cells, mask=logit_ok, other=0, volatile=True)
@@ -105,6 +109,14 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
             (latent_words == sentinel).astype(jnp.int32), axis=1
         )
         return logit_words, latent_words, pending
+
+    def select(logit_words):
+        """The ranked ids and their logits, gathered back from the row (unchanged until the re-arm)."""
+        x = lax.bitcast_convert_type(logit_words, jnp.float32)
+        ids = rt.select_ranked(rt.ordered_keys(x, b, lane < experts, interpret), lane, slot, k)
+        cells = buffer_ref.at[generation, jnp.broadcast_to(rows, (bb, slots)), words + ids]
+        chosen = plgpu.load(cells, mask=out_mask, other=0)
+        return ids, chosen
 
     def again(carry):
         *_, pending, spins = carry
@@ -117,12 +129,35 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
         limit, one = jnp.int32(spin_limit), jnp.int32(1)
         return (*poll(), jnp.where(jnp.max(given_up) != 0, limit, spins + one))
 
-    logit_words, latent_words, pending, _ = lax.while_loop(again, spin, (*poll(), jnp.int32(0)))
+    def wait_and_select(first_poll):
+        logit_words, latent_words, pending, _ = lax.while_loop(
+            again, spin, (*first_poll, jnp.int32(0))
+        )
+        return (logit_words, latent_words, pending, *select(logit_words))
+
+    # Routing starts on the first poll's words; the check that they had all landed runs beside it.
+    # Only when some had not (a peer still writing) does the program spin and route again.
+    first_poll = poll()
+    logit_words, latent_words, pending, ids, chosen = lax.cond(
+        jnp.sum(first_poll[2], axis=0) > 0,
+        wait_and_select,
+        lambda first_poll: (*first_poll, *select(first_poll[0])),
+        first_poll,
+    )
 
     @pl.when(jnp.sum(pending, axis=0) > 0)
     def _():
         status_ref[0] = jnp.int32(mb.TIMEOUT)
 
+    if not interpret:
+        plgpu.debug_barrier()  # every thread's gather has read the row before any re-arms it
+    chosen = lax.bitcast_convert_type(chosen, jnp.float32)
+    plgpu.store(ids_ref.at[pl.ds(first, bb), pl.ds(0, slots)], ids, mask=out_mask)
+    plgpu.store(
+        weights_ref.at[pl.ds(first, bb), pl.ds(0, slots)],
+        rt.routing_weights(chosen, slot, cfg, interpret),
+        mask=out_mask,
+    )
     x = lax.bitcast_convert_type(logit_words, jnp.float32)
     plgpu.store(logits_ref.at[pl.ds(first, bb), pl.ds(0, lanes)], x, mask=logit_ok)
     plgpu.store(latent_ref.at[pl.ds(first, bb), pl.ds(0, latent_lanes)], latent_words, mask=latent_ok)
@@ -140,23 +175,6 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
     plgpu.store(logit_cells, jnp.full(logit_words.shape, sentinel), mask=logit_ok)
     plgpu.store(latent_cells, jnp.full(latent_words.shape, sentinel), mask=latent_ok)
     control_ref[0] = generation
-
-    b = plgpu.load(bias_ref.at[pl.ds(0, lanes)], mask=lane[0] < experts, other=0.0)
-    ordered = rt.ordered_keys(x, b, lane < experts, interpret)
-    slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
-    ids = rt.select_ranked(ordered, lane, slot, k)
-    out_mask = row_ok & (slot < k)
-    if not interpret:
-        plgpu.debug_barrier()  # the logits stores above, by every thread, visible to the gather
-    chosen = plgpu.load(
-        logits_ref.at[jnp.broadcast_to(rows, (bb, slots)), ids], mask=out_mask, other=0.0
-    )
-    plgpu.store(ids_ref.at[pl.ds(first, bb), pl.ds(0, slots)], ids, mask=out_mask)
-    plgpu.store(
-        weights_ref.at[pl.ds(first, bb), pl.ds(0, slots)],
-        rt.routing_weights(chosen, slot, cfg, interpret),
-        mask=out_mask,
-    )
 
 
 def route_collect(
