@@ -102,50 +102,39 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
     slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
     out_mask = row_ok & (slot < k)
 
-    def poll():
+    def attempt(spins):
+        """Load the row (volatile), route it, then count its words still holding the sentinel: the
+        count comes after the routing in program order, so it waits on nothing the routing did not."""
         logit_words = plgpu.load(logit_cells, mask=logit_ok, other=0, volatile=True)
         latent_words = plgpu.load(latent_cells, mask=latent_ok, other=0, volatile=True)
+        x = lax.bitcast_convert_type(logit_words, jnp.float32)
+        ids = rt.select_ranked(rt.ordered_keys(x, b, lane < experts, interpret), lane, slot, k)
+        # The chosen logits, gathered back from the row (unchanged until the re-arm below).
+        cells = buffer_ref.at[generation, jnp.broadcast_to(rows, (bb, slots)), words + ids]
+        chosen = plgpu.load(cells, mask=out_mask, other=0)
         pending = jnp.sum((logit_words == sentinel).astype(jnp.int32), axis=1) + jnp.sum(
             (latent_words == sentinel).astype(jnp.int32), axis=1
         )
-        return logit_words, latent_words, pending
-
-    def select(logit_words):
-        """The ranked ids and their logits, gathered back from the row (unchanged until the re-arm)."""
-        x = lax.bitcast_convert_type(logit_words, jnp.float32)
-        ids = rt.select_ranked(rt.ordered_keys(x, b, lane < experts, interpret), lane, slot, k)
-        cells = buffer_ref.at[generation, jnp.broadcast_to(rows, (bb, slots)), words + ids]
-        chosen = plgpu.load(cells, mask=out_mask, other=0)
-        return ids, chosen
+        return logit_words, latent_words, ids, chosen, jnp.sum(pending, axis=0), spins
 
     def again(carry):
         *_, pending, spins = carry
-        return (jnp.sum(pending, axis=0) > 0) & (spins < spin_limit)
+        return (pending > 0) & (spins < spin_limit)
 
     def spin(carry):
         *_, spins = carry
         # Once one program has timed out the step has failed: the others stop polling at once.
         given_up = plgpu.load(status_ref.at[pl.ds(0, 1)], volatile=True)
         limit, one = jnp.int32(spin_limit), jnp.int32(1)
-        return (*poll(), jnp.where(jnp.max(given_up) != 0, limit, spins + one))
+        return attempt(jnp.where(jnp.max(given_up) != 0, limit, spins + one))
 
-    def wait_and_select(first_poll):
-        logit_words, latent_words, pending, _ = lax.while_loop(
-            again, spin, (*first_poll, jnp.int32(0))
-        )
-        return (logit_words, latent_words, pending, *select(logit_words))
-
-    # Routing starts on the first poll's words; the check that they had all landed runs beside it.
-    # Only when some had not (a peer still writing) does the program spin and route again.
-    first_poll = poll()
-    logit_words, latent_words, pending, ids, chosen = lax.cond(
-        jnp.sum(first_poll[2], axis=0) > 0,
-        wait_and_select,
-        lambda first_poll: (*first_poll, *select(first_poll[0])),
-        first_poll,
+    # Routing starts on the first load of the row; only when some of its words had not landed (a
+    # peer still writing) does the program poll again, and route again.
+    logit_words, latent_words, ids, chosen, pending, _ = lax.while_loop(
+        again, spin, attempt(jnp.int32(0))
     )
 
-    @pl.when(jnp.sum(pending, axis=0) > 0)
+    @pl.when(pending > 0)
     def _():
         status_ref[0] = jnp.int32(mb.TIMEOUT)
 
