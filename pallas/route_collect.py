@@ -3,29 +3,33 @@
 ``route_collect(mailbox, status, bias, batch)`` does, for each row ``[0, batch)`` of the generation
 last published, what ``mailbox.collect`` followed by ``route.route`` does, in one Pallas kernel:
 
-1. poll the row's data words (volatile loads, so every poll re-reads memory a publisher may still be
-   writing) until none is the sentinel, at most ``spin_limit`` times; a row still holding one then sets
-   ``status`` to ``TIMEOUT``, and the other programs, which read ``status`` while they poll, stop;
-2. write the row out: the logits ``[E]`` float32 and the latent as ``[L / 2]`` words (the caller views
-   them as bfloat16 columns), exactly the words ``collect`` copies;
-3. re-arm the row's data words with the sentinel and record the generation read in ``control[0]``;
-4. route the logits as ``route.route`` does (``ordered_keys``, ``select_ranked``, ``routing_weights``
-   are that kernel's functions): ids and weights are bit-equal to collect-then-route;
-5. on request (``with_plan``), write the MXFP8 plan of the latent from the same registers
-   (``plan.quantize_word_tile``, the plan kernel's tile math on the packed words): the plan in the pass
-   that writes the latent, as SPEC section 5 and issue #7 ask, with no second read of it.
+1. load the row's data words (volatile loads: every poll re-reads memory a publisher may still be
+   writing) and route its logits as ``route.route`` does (``ordered_keys``, ``select_ranked``,
+   ``routing_weights`` are that kernel's functions), gathering the chosen logits back from the row;
+2. count the words still holding the sentinel; if any, poll and route again, at most ``spin_limit``
+   times; a row still holding one then sets ``status`` to ``TIMEOUT``, and the other programs, which
+   read ``status`` while they poll, stop;
+3. write the ids and weights (bit-equal to collect-then-route), and the row: the logits ``[E]``
+   float32 and the latent as ``[L / 2]`` words (the caller views them as bfloat16 columns), exactly
+   the words ``collect`` copies;
+4. on request (``with_plan``), the MXFP8 plan of the latent from the same registers
+   (``plan.quantize_word_tile``, the plan kernel's tile math on the packed words): the plan in the
+   pass that writes the latent, as SPEC section 5 and issue #7 ask, with no second read of it;
+5. re-arm the row's data words with the sentinel and record the generation read in ``control[0]``.
 
 Why one kernel: on the mailbox path at decode batch sizes each kernel costs its launch and its first
 round trip to memory, not bandwidth (``triton_mailbox``'s byte counts). The collect's copy needs the
-row in registers, and so does the routing: here the row is loaded once, the copy-out and re-arm stores
-issue while the selection rounds run, and the collect's separate launch is gone.
+row in registers, and so does the routing: here the row is loaded once and the collect's separate
+launch is gone. The routing starts on the first load of the row, before its sentinel count (a
+reduction across the block) has said whether every word had landed: in the common case, the
+publisher's kernel having finished before this one started, the count runs while the gather of the
+chosen logits is in flight, off the routing's critical path. The bias is loaded beside the control
+word, whose generation every row address depends on.
 
 Protocol. The same as ``triton_mailbox.mailbox_collect``'s (``mailbox``'s docstring has the layout,
 the generations and why the immediate re-arm is safe): a program owns its rows, reads generation
 ``control[1]`` and writes only ``control[0]``, writes ``status`` only to report its own timeout, and
-re-arms only words it has read (the poll's last load completes in every thread before the reduction
-that ends the loop). The weights gather the chosen experts' logits back from the logits output after a
-block barrier, which makes the other threads' stores of them visible.
+re-arms only after a block barrier, once every thread has read the row (its gather included).
 
 Backend: Pallas' Triton lowering, as ``route``: ``plgpu.load(..., volatile=True)`` polls,
 ``input_output_aliases`` updates the buffer, control and status in place, and ``lax.while_loop``
