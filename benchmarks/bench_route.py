@@ -6,8 +6,10 @@ For B in {1, 8, 16, 32, 64, 128, 256} and the K3 config (896 experts, top-16): t
 shipped schedule (``route.pick_config``) and the XLA reference route (sigmoid, bias, ``lax.top_k``,
 gather, renormalize; every kernel it launches summed), timed in the same process over rotated copies
 of the logits, and the ratio XLA / kernel. With ``--sweep`` also every schedule of ``SWEEP`` (to
-regenerate ``route.H200_TABLE``), written to $OUT/bench_route_sweep.json. The results go to
-$OUT/bench_route.json in benchmarks/README.md's format (stage "route"); the table prints last.
+regenerate ``route.H200_TABLE``; both selections, argmax and groups, side by side), written to
+$OUT/bench_route_sweep.json with each schedule's fraction of rows whose ids equal the reference's.
+The results go to $OUT/bench_route.json in benchmarks/README.md's format (stage "route"); the table
+prints last.
 """
 
 from __future__ import annotations
@@ -29,7 +31,15 @@ from front_gemm_timing import READ_CEILING_TBS, cupti_us_per_call
 COPIES = 16
 """Logits copies rotated through (each call reads logits no earlier call just wrote or read)."""
 SWEEP = [rt.RouteConfig(rows, warps) for rows, warps in
-         ((1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 4), (4, 8))]
+         ((1, 1), (1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 4), (4, 8))] + [
+    rt.RouteConfig(rows, warps, "groups", group, width) for rows, warps, group, width in (
+        (1, 2, 0, 0), (1, 4, 0, 0), (1, 8, 0, 0), (2, 4, 0, 0), (2, 8, 0, 0), (4, 8, 0, 0),
+        (1, 4, 8, 8), (1, 8, 8, 8), (1, 4, 16, 8), (1, 8, 32, 0),
+    )
+]
+"""Schedules ``--sweep`` times: argmax over rows and warps, then the groups selection with
+``group_plan``'s sizes over rows and warps and a few other plans (8-lane groups ranked once,
+``(8,)``; ``(16, 8)``; ``(32, 8, 4)``), each labelled by ``RouteConfig.name``."""
 TARGET_US = {1: 3.0, 8: 3.0, 16: 3.0, 32: 3.0, 64: 3.0, 256: 5.0}
 """The issue's targets per B (none set at B=128)."""
 
@@ -58,7 +68,7 @@ def main() -> None:
     }
     if args.sweep:
         for c in SWEEP:
-            variants[f"r{c.block_rows}w{c.num_warps}"] = (
+            variants[c.name] = (
                 lambda c: lambda batch: (lambda b, l: rt.route(l, b, cfg, config=c))
             )(c)
     keys = [(batch, name) for batch in batches for name in variants]
@@ -83,9 +93,11 @@ def main() -> None:
     # the GPU test covers near ties).
     agree = {}
     for batch in batches:
-        got = compiled[batch, "pallas"](bias, logits[batch][0])[0]
         want = compiled[batch, "xla"](bias, logits[batch][0])[0]
-        agree[batch] = float(jnp.mean(jnp.all(got == want, axis=1)))
+        for name in variants:
+            if name != "xla":
+                got = compiled[batch, name](bias, logits[batch][0])[0]
+                agree[batch, name] = float(jnp.mean(jnp.all(got == want, axis=1)))
 
     rows = []
     for batch in batches:
@@ -104,12 +116,22 @@ def main() -> None:
         json.dump(result, f, indent=1)
     if args.sweep:
         sweep = {str(batch): {n: times[batch, n] for n in variants} for batch in batches}
+        # Fraction of rows whose ids equal the XLA reference's, per schedule (as "ids==xla" below).
+        sweep["ids_agree"] = {str(batch): {n: agree[batch, n] for n in variants if n != "xla"}
+                              for batch in batches}
         with open(os.path.join(args.out, "bench_route_sweep.json"), "w") as f:
             json.dump(sweep, f, indent=1)
-        print(f"\nsweep (us): {' '.join(f'{n:>7}' for n in variants if n not in ('pallas', 'xla'))}")
+        names = [n for n in variants if n not in ("pallas", "xla")]
+        width = max(7, *map(len, names))
+
+        def line(label, cells):
+            print(f"{label:<12}" + " ".join(f"{c:>{width}}" for c in cells))
+
+        print()
+        line("sweep (us)", names)
         for batch in batches:
-            cells = " ".join(f"{times[batch, n]:>7.2f}" for n in variants if n not in ("pallas", "xla"))
-            print(f"  B={batch:>3}    {cells}")
+            line(f"  B={batch}", [f"{times[batch, n]:.2f}" for n in names])
+        line("  ids==xla", [f"{min(agree[b, n] for b in batches):.3f}" for n in names])
 
     configs = {b: rt.pick_config(b, cfg.experts, cfg.top_k) for b in batches}
     print(f"\nroute, K3 (896 experts, top-16), {device.device_kind}, {time.strftime('%Y-%m-%d')}, "
@@ -123,7 +145,7 @@ def main() -> None:
         if target is None:
             met = "yes" if x / k >= 4 else "NO"
         print(f"{batch:>4} {k:>10.2f} {x:>8.2f} {x / k:>10.2f} {target or '-':>9} {met:>4} "
-              f"{agree[batch]:>8.3f}  rows={configs[batch].block_rows} warps={configs[batch].num_warps}")
+              f"{agree[batch, 'pallas']:>8.3f}  {configs[batch].name} ({configs[batch].select})")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,25 @@ included. The weights gather the chosen experts' logits back (``top_k`` loads pe
 recompute their sigmoids, sum them as the SPEC's pairwise tree over the ``slots`` lanes (``top_k``
 padded to a power of two with zeros) and divide.
 
+Second selection, under measurement: ``RouteConfig(select="groups")`` (``select_grouped``) finds the
+same ids, exactly, with a fixed handful of reductions instead of ``top_k`` dependent rounds. The row
+is cut into groups of ``S`` consecutive lanes (16 for K3: 64 groups); the group maxima are ranked by
+a pairwise ``[64, 64]`` comparison (equal maxima to the lower group), and only the ``slots`` best
+groups can hold the top ``top_k`` (were a top lane in a group ranked lower, the maxima of the
+``top_k`` groups above would all beat it). Their lanes (``[16, 16]`` for K3) are loaded again and
+keyed with the same ``ordered_keys`` (the same bits), cut into runs of 4 lanes whose maxima are
+ranked the same way (``[64, 64]``), the 16 best runs' lanes loaded and keyed again, and those 64
+candidates ranked by key, then lane (``[64, 64]``); the ids come out by rank. Each rank-to-slot move
+is a masked sum (``[64, 16]``). The loads again (320 logits and as many biases a row for K3) come
+from L1/L2; ``route_bytes`` counts argmax's traffic. ``group_plan`` picks the sizes for any
+``(E, top_k)`` (``S = lanes / (4 * slots)``, runs a quarter as wide while wider than 4;
+``RouteConfig.group`` and ``.width`` override them) and falls back to argmax where groups cannot
+work. Compiled for sm_90 with Triton 3.6 from the lowered Triton IR (``benchmarks/route_sm90.py``;
+static counts, not timings), the one-row K3 kernel with 4 warps has 20 barriers and 1984 SASS
+instructions against argmax's 51 and 2336, no spills. Which is faster, and with which schedule, is
+for the H200 sweep (``benchmarks/bench_route.py --sweep`` times both); the shipped table still picks
+argmax.
+
 Backend: Pallas' Triton lowering (``pl.pallas_call`` with ``jax.experimental.pallas.triton``
 compiler params; deprecated in jax 0.11 but working). The kernel is a chain of row reductions over a
 register-resident row: Triton's ``argmax`` lowering (a (value, index) reduction within threads, warp
@@ -81,6 +100,8 @@ NAN_KEY = -(2**31) + 1
 """Ordered int32 key of a NaN: below every number (no float maps here)."""
 PAD_KEY = -(2**31)
 """Key of a padding lane and of an expert already chosen: below NaN."""
+SELECTS = ("argmax", "groups")
+"""The selections ``RouteConfig.select`` names: ``select_ranked`` and ``select_grouped``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,16 +111,43 @@ class RouteConfig:
     Attributes:
       block_rows: rows per program, a power of two.
       num_warps: Triton warps per program, a power of two.
+      select: ``"argmax"`` (``select_ranked``: ``top_k`` dependent argmax rounds) or ``"groups"``
+        (``select_grouped``: group maxima ranked pairwise, the best groups gathered and narrowed
+        again; a fixed handful of reductions whatever ``top_k``).
+      group: lanes per level-1 group of ``"groups"``, a power of two; 0 (the default) picks
+        ``group_plan``'s size. Unused by argmax.
+      width: lanes per run of the candidates ``"groups"`` ranks last (``group_plan``), a power of
+        two; 0 (the default) is 4. Unused by argmax.
     """
 
     block_rows: int
     num_warps: int
+    select: str = "argmax"
+    group: int = 0
+    width: int = 0
 
     def __post_init__(self):
         for name in ("block_rows", "num_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1 or value & (value - 1):
                 raise ValueError(f"RouteConfig.{name} must be a power of two >= 1, got {value!r}")
+        if self.select not in SELECTS:
+            raise ValueError(f"RouteConfig.select must be one of {SELECTS}, got {self.select!r}")
+        for name in ("group", "width"):
+            value = getattr(self, name)
+            if (not isinstance(value, int) or isinstance(value, bool) or value < 0
+                    or value & (value - 1)):
+                raise ValueError(f"RouteConfig.{name} must be 0 or a power of two, got {value!r}")
+
+    @property
+    def name(self) -> str:
+        """Short label, as the benchmark sweep prints it: ``r1w4`` (argmax), ``r1w4g`` (groups,
+        ``group_plan``'s sizes), ``r1w4g8`` (groups of 8 lanes), ``r1w4g8x8`` (and runs of 8)."""
+        tail = ""
+        if self.select == "groups":
+            tail = "g" + (str(self.group) if self.group else "")
+            tail += f"x{self.width}" if self.width else ""
+        return f"r{self.block_rows}w{self.num_warps}{tail}"
 
 
 def next_power_of_2(n: int) -> int:
@@ -174,8 +222,9 @@ def _tree_sum(w):
 def ordered_keys(x, b, lane_ok, interpret: bool):
     """``[rows, lanes]`` float32 logits and ``[lanes]`` bias to order-preserving int32 keys of
     ``sigmoid(x) + b`` (NaN to ``NAN_KEY``; lanes where ``lane_ok`` ``[1, lanes]`` is False, if given,
-    to ``PAD_KEY``)."""
-    key = _sigmoid(x, interpret) + b[None, :]
+    to ``PAD_KEY``). Any shape ``x`` with ``b`` and ``lane_ok`` of its rank works too (gathered
+    lanes): the keys are elementwise, so a lane's key is the same bits however it is loaded."""
+    key = _sigmoid(x, interpret) + (b if b.ndim == x.ndim else b[None, :])
     bits = lax.bitcast_convert_type(key, jnp.int32)
     ordered = jnp.where(bits >= 0, bits, bits ^ jnp.int32(0x7FFFFFFF))
     ordered = jnp.where(key != key, jnp.int32(NAN_KEY), ordered)
@@ -201,6 +250,114 @@ def select_ranked(ordered, lane, slot, k: int):
     return ids
 
 
+def group_plan(lanes: int, experts: int, k: int, group: int = 0, width: int = 0):
+    """The widths ``select_grouped`` narrows through, ``(S, W1, ..., Wn)``, or None.
+
+    Level-1 groups of ``S`` lanes (``group``, else ``lanes // (4 * slots)`` with ``slots =
+    next_power_of_2(k)``: ``4 * slots`` groups); then, while wider than ``width`` (0: 4), runs a
+    quarter as wide, or ``width`` wide if that is more. The K3 row (1024 lanes, 16 slots) gives
+    ``(16, 4)``; ``group=8`` gives ``(8, 4)``, and with ``width=8`` just ``(8,)``. None where the
+    groups cannot work: fewer than ``slots`` groups (each rank below ``slots`` needs a group of its
+    own), fewer than ``k`` groups holding an expert, or a group wider than the row; the kernel then
+    uses argmax (``select_ranked``)."""
+    slots = next_power_of_2(k)
+    size = group or max(1, lanes // (4 * slots))
+    width = width or 4
+    if size > lanes or lanes // size < slots or -(-experts // size) < k:
+        return None
+    widths = [size]
+    while widths[-1] > width:
+        widths.append(max(widths[-1] // 4, width))
+    return tuple(widths)
+
+
+def _ranks(key, first):
+    """Rank of each of ``N`` items, ``[rows, N]`` int32: how many items beat it, one item beating
+    another with a larger key, or an equal key and a lower ``first`` lane (``[rows or 1, N]``,
+    distinct). A ``[rows, N, N]`` comparison summed; the ranks are a permutation of ``0 .. N-1``."""
+    beats = (key[:, None, :] > key[:, :, None]) | (
+        (key[:, None, :] == key[:, :, None]) & (first[:, None, :] < first[:, :, None])
+    )
+    return jnp.sum(beats.astype(jnp.int32), axis=2)
+
+
+def _by_rank(rank, value, n: int):
+    """Entry ``r < n`` of the result ``[rows, n]``: the ``value`` (``[rows or 1, N]``) of the item
+    whose ``rank`` (``[rows, N]``, a permutation) is ``r``. A ``[rows, N, n]`` masked sum over
+    ``N``, exactly one term nonzero."""
+    r = lax.broadcasted_iota(jnp.int32, (1, 1, n), 2)
+    return jnp.sum(jnp.where(rank[:, :, None] == r, value[:, :, None], 0), axis=1)
+
+
+def select_grouped(ordered, lane, slot, k: int, keys_at, widths: tuple[int, ...]):
+    """``select_ranked``'s result (the lanes of the ``k`` largest keys of each row in rank order,
+    ties to the lower lane; slots past ``k`` hold 0), exactly, by narrowing through groups: a fixed
+    number of reductions, none of them repeated ``k`` times.
+
+    1. The row as ``G = lanes / S`` groups of ``S`` consecutive lanes: each group's max key (a max
+       reduction), the groups ranked by a ``[G, G]`` comparison summed (max descending, the lower
+       group first on equal maxima), and the first lanes of the ``slots`` best groups in rank order
+       (a ``[G, slots]`` masked sum). The top ``k`` lanes all lie in the ``k`` best groups: if ``x``
+       of the top ``k`` sat in a group ranked ``k`` or lower, each of the ``k`` groups ranked above
+       would hold a lane beating ``x``, its max (a larger key, or an equal one at a lower lane, as
+       groups are disjoint runs of lanes and equal maxima go to the lower group).
+    2. Those groups' lanes, ``[rows, slots, S]``, keyed by ``keys_at`` (the kernel loads their
+       logits and bias again and keys them with ``ordered_keys``: the bits ``ordered`` holds).
+    3. For each further width ``W'`` of ``widths``, step 1 within the candidates: each candidate
+       group cut in runs of ``W'`` lanes, the ``slots * W / W'`` run maxima ranked (ties to the
+       lower first lane: the runs are disjoint runs of lanes too), the first lanes of the ``slots``
+       best in rank order, and their ``[rows, slots, W']`` keys from ``keys_at`` again. The
+       candidates still hold the top ``k``, by the same argument.
+    4. The ``C = slots * W`` candidates ranked by key, then lane (``[C, C]``); the ids by rank (a
+       ``[C, slots]`` masked sum).
+
+    With ``S = 1`` step 1 ranks the lanes themselves and gives the ids. Each level loads its keys
+    again rather than moving the previous level's by a masked sum: compiled for sm_90, such moves
+    (``[slots, 4 * slots, W']`` tensors) were replicated across threads by Triton's layouts, up to
+    hundreds of registers a thread and spills with ``S = 32``.
+
+    Args:
+      ordered: ``[rows, lanes]`` int32 keys (``ordered_keys``), at least ``k`` above ``PAD_KEY``.
+      lane: ``[1, lanes]`` iota (unused; ``select_ranked``'s signature); slot: ``[1, slots]`` iota,
+        ``slots = next_power_of_2(k)``.
+      keys_at: int32 lanes ``[rows, a, b]`` to their keys ``[rows, a, b]``: the bits ``ordered``
+        holds at those lanes (``PAD_KEY`` past the experts).
+      widths: ``group_plan(lanes, experts, k, ...)``, not None.
+    """
+    del lane
+    rows, lanes = ordered.shape
+    slots = slot.shape[1]
+    size = widths[0]
+    groups = lanes // size
+    assert groups >= slots >= k, (lanes, widths, k, slots)
+
+    def runs(start, count, step=1):
+        """``[rows, n, count]``: ``start`` ``[rows, n]`` plus ``0, step, ..., (count-1) * step``."""
+        return start[:, :, None] + lax.broadcasted_iota(jnp.int32, (1, 1, count), 2) * step
+
+    # Level 1: group maxima, ranked; the first lanes of the best ``slots`` groups, in rank order.
+    gmax = jnp.max(ordered.reshape(rows, groups, size), axis=2) if size > 1 else ordered
+    first = lax.broadcasted_iota(jnp.int32, (1, groups), 1) * size
+    start = _by_rank(_ranks(gmax, first), first, slots)  # [rows, slots]
+    if size == 1:
+        ids = start  # the lanes themselves, ranked
+    else:
+        width = size
+        for sub in widths[1:]:
+            # Runs of ``sub`` lanes, ``slots * width / sub`` of them, ranked by their maxima.
+            keys = keys_at(runs(start, width)).reshape(rows, -1, sub)
+            first = runs(start, width // sub, sub).reshape(rows, -1)
+            start = _by_rank(_ranks(jnp.max(keys, axis=2), first), first, slots)
+            width = sub
+        # The ``slots * width`` candidates, ranked among themselves.
+        lanes_c = runs(start, width).reshape(rows, -1)
+        keys = keys_at(runs(start, width)).reshape(rows, -1)
+        ids = _by_rank(_ranks(keys, lanes_c), lanes_c, slots)
+    if slots != k:
+        ids = jnp.where(slot < k, ids, 0)
+    return ids
+
+
 def routing_weights(chosen, slot, cfg: FrontConfig, interpret: bool):
     """The chosen experts' logits ``[rows, slots]`` float32 (slots past ``cfg.top_k`` ignored) to
     their bfloat16 routing weights (SPEC section 4: NaN sigmoids weigh 0, the tree-sum renormalize)."""
@@ -216,7 +373,7 @@ def routing_weights(chosen, slot, cfg: FrontConfig, interpret: bool):
 
 
 def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes, slots, cfg,
-            block_rows, interpret):
+            block_rows, widths, interpret):
     bb, k = block_rows, cfg.top_k
     first = pl.program_id(0) * bb
     rows = first + lax.broadcasted_iota(jnp.int32, (bb, 1), 0)
@@ -245,7 +402,26 @@ def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes
     )
     ordered = ordered_keys(x, b, lane_ok if lane_mask is not None else None, interpret)
     slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
-    ids = select_ranked(ordered, lane, slot, k)
+    if widths is None:
+        ids = select_ranked(ordered, lane, slot, k)
+    else:
+
+        def keys_at(at):
+            """Keys of lanes ``at`` ``[bb, a, b]``: logits and bias gathered again (L1/L2 hits)."""
+            ok = at < experts if lane_mask is not None else None
+            load_ok = ok
+            if row_mask is not None:
+                load_ok = row_mask[:, :, None] if ok is None else ok & row_mask[:, :, None]
+            at_rows = jnp.broadcast_to(rows[:, :, None], at.shape)
+            xg = plgpu.load(
+                logits_ref.at[at_rows, at],
+                mask=load_ok,
+                other=None if load_ok is None else 0.0,
+            )
+            bg = plgpu.load(bias_ref.at[at], mask=ok, other=None if ok is None else 0.0)
+            return ordered_keys(xg, bg, ok, interpret)
+
+        ids = select_grouped(ordered, lane, slot, k, keys_at, widths)
     slot_ok = slot < k
     out_mask = slot_ok if slots != k else None
     if row_mask is not None:
@@ -320,14 +496,19 @@ def route(
     if not isinstance(config, RouteConfig):
         raise ValueError(f"config must be a RouteConfig or None, got {type(config).__name__}")
     block_rows = min(config.block_rows, next_power_of_2(batch))
+    lanes = next_power_of_2(experts)
+    widths = None
+    if config.select == "groups":
+        widths = group_plan(lanes, experts, cfg.top_k, config.group, config.width)
     kernel = functools.partial(
         _kernel,
         batch=batch,
         experts=experts,
-        lanes=next_power_of_2(experts),
+        lanes=lanes,
         slots=next_power_of_2(cfg.top_k),
         cfg=cfg,
         block_rows=block_rows,
+        widths=widths,
         interpret=interpret,
     )
     ids, weights = pl.pallas_call(

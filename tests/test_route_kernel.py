@@ -2,6 +2,7 @@
 edge case and on random rows, a seeded property loop over thousands of adversarial rows, lowering
 for an H200 from the CPU host, and on a GPU against the XLA reference on the same device."""
 
+import dataclasses
 import functools
 
 import jax
@@ -38,14 +39,20 @@ def interpret(logits, bias, *, cfg, config=None):
 reference_route = jax.jit(reference.route, static_argnums=2)
 
 
-def check(logits, bias, cfg=K3, config=None):
+def check(logits, bias, cfg=K3, config=None, select="argmax"):
     """The interpret kernel against the reference (ids and weight bits equal: on the CPU the kernel's
     sigmoid, tree sum and division are the reference's) and the float64 oracle (ids equal on rows
     whose oracle keys have no near tie among the top k + 1, weights within one bf16 ulp where the ids
     agree: the oracle's sigmoid is correctly rounded, XLA's may be an ulp off); returns (ids, weights)
-    as numpy."""
+    as numpy. ``select`` replaces the schedule's selection (``config``, else the picked one)."""
     logits = jnp.asarray(logits, jnp.float32)
     bias = jnp.asarray(bias, jnp.float32)
+    if select != "argmax":
+        config = config or rt.pick_config(logits.shape[0], cfg.experts, cfg.top_k)
+        config = dataclasses.replace(config, select=select)
+    if config is not None and config.select == "groups":
+        lanes = rt.next_power_of_2(cfg.experts)
+        assert rt.group_plan(lanes, cfg.experts, cfg.top_k, config.group) is not None
     ids, weights = interpret(logits, bias, cfg=cfg, config=config)
     ids, weights = np.asarray(ids), np.asarray(weights)
     assert ids.dtype == np.int32 and ids.shape == (logits.shape[0], cfg.top_k)
@@ -81,31 +88,37 @@ def assert_valid(ids, weights, experts):
     assert not np.isnan(np.asarray(weights, np.float32)).any()
 
 
+@pytest.fixture(params=rt.SELECTS)
+def select(request):
+    """Each selection of the kernel: ``select_ranked`` (argmax rounds) and ``select_grouped``."""
+    return request.param
+
+
 # --- SPEC edge cases ---------------------------------------------------------------------------------
 
 
-def test_bit_equal_keys_tie_to_lower_id():
+def test_bit_equal_keys_tie_to_lower_id(select):
     logits = np.full((3, K3.experts), 0.3, np.float32)
     logits[1, ::7] = 0.9  # 128 bit-equal winners: the lowest 16 of them
     logits[2, 880:] = 5.0  # exactly 16 winners at the top ids, and 880 bit-equal losers
-    ids, weights = check(logits, np.zeros(K3.experts))
+    ids, weights = check(logits, np.zeros(K3.experts), select=select)
     np.testing.assert_array_equal(ids[0], np.arange(16))
     np.testing.assert_array_equal(ids[1], np.arange(16) * 7)
     np.testing.assert_array_equal(ids[2], np.arange(880, 896))
     np.testing.assert_array_equal(weights.astype(np.float32), np.full((3, 16), 1 / 16, np.float32))
 
 
-def test_ties_straddling_the_cut():
+def test_ties_straddling_the_cut(select):
     """Five experts tie at the 16th key: the lowest three of them fill ranks 13-15."""
     logits = np.zeros((1, K3.experts), np.float32)
     logits[0, 100:113] = np.linspace(3.0, 2.0, 13)  # ranks 0..12, distinct
     logits[0, [800, 40, 600, 41, 5]] = 1.0  # bit-equal: ranks 13..15 are 5, 40, 41
-    ids, _ = check(logits, np.zeros(K3.experts))
+    ids, _ = check(logits, np.zeros(K3.experts), select=select)
     np.testing.assert_array_equal(ids[0, :13], np.arange(100, 113))
     np.testing.assert_array_equal(ids[0, 13:], [5, 40, 41])
 
 
-def test_all_equal_row_and_zero_signs():
+def test_all_equal_row_and_zero_signs(select):
     logits = np.zeros((2, K3.experts), np.float32)
     logits[0, 1::2] = -0.0  # sigmoid(-0.0) == sigmoid(+0.0): every key is bit-equal
     # Keys of -0.0 and +0.0: sigmoid(-40) + (-sigmoid(-40)) is +0.0; a bias of -0.0 on a zero score
@@ -113,73 +126,73 @@ def test_all_equal_row_and_zero_signs():
     logits[1] = -np.inf
     bias = np.zeros(K3.experts, np.float32)
     bias[::3] = -0.0
-    ids, weights = check(logits, bias)
+    ids, weights = check(logits, bias, select=select)
     np.testing.assert_array_equal(ids, np.tile(np.arange(16), (2, 1)))
     np.testing.assert_array_equal(weights.astype(np.float32)[0], np.full(16, 1 / 16, np.float32))
     np.testing.assert_array_equal(weights.astype(np.float32)[1], np.zeros(16, np.float32))
 
 
-def test_negative_zero_bias_on_a_zero_score_ties_with_positive_zero():
+def test_negative_zero_bias_on_a_zero_score_ties_with_positive_zero(select):
     """A key is never -0.0: a zero score plus a -0.0 bias is +0.0, bit-equal to the +0.0 keys."""
     logits = np.full((1, K3.experts), -np.inf, np.float32)  # sigmoid 0.0: keys = 0.0 + bias
     bias = np.full(K3.experts, -1.0, np.float32)
     bias[3] = -0.0
     bias[500:520] = 0.0
-    ids, _ = check(logits, bias)
+    ids, _ = check(logits, bias, select=select)
     np.testing.assert_array_equal(ids[0], [3] + list(range(500, 515)))
     logits[0, 3] = -0.0  # sigmoid(-0.0) = 0.5: the top
-    ids, _ = check(logits, bias)
+    ids, _ = check(logits, bias, select=select)
     np.testing.assert_array_equal(ids[0], [3] + list(range(500, 515)))
-    np.testing.assert_array_equal(check(logits[:, ::-1].copy(), bias[::-1].copy())[0][0],
-                                  [892] + list(range(376, 391)))
+    ids, _ = check(logits[:, ::-1].copy(), bias[::-1].copy(), select=select)
+    np.testing.assert_array_equal(ids[0], [892] + list(range(376, 391)))
 
 
-def test_nan_logits_rank_lowest():
+def test_nan_logits_rank_lowest(select):
     rng = np.random.default_rng(0)
     logits = rng.normal(0, 1, (2, K3.experts)).astype(np.float32)
     logits[0, :100] = np.nan
     logits[1, :] = np.nan
     logits[1, [500, 40, 890, 7, 300]] = [3.0, 2.0, 1.0, 0.0, -1.0]
-    ids, weights = check(logits, np.zeros(K3.experts))
+    ids, weights = check(logits, np.zeros(K3.experts), select=select)
     assert (ids[0] >= 100).all()
     np.testing.assert_array_equal(ids[1, :5], [500, 40, 890, 7, 300])
     np.testing.assert_array_equal(ids[1, 5:], [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11])
     assert (weights[1, 5:].astype(np.float32) == 0).all()
 
 
-def test_all_nan_rows():
+def test_all_nan_rows(select):
     logits = np.full((3, K3.experts), np.nan, np.float32)
     logits[2, 0] = -np.nan  # a negative NaN is a NaN too
     bias = np.zeros(K3.experts, np.float32)
     bias[:4] = np.nan
-    ids, weights = check(logits, bias)
+    ids, weights = check(logits, bias, select=select)
     np.testing.assert_array_equal(ids, np.tile(np.arange(16), (3, 1)))
     np.testing.assert_array_equal(weights.astype(np.float32), np.zeros((3, 16), np.float32))
 
 
-def test_nan_bias_ranks_lowest_but_weighs_its_sigmoid():
+def test_nan_bias_ranks_lowest_but_weighs_its_sigmoid(select):
     logits = np.zeros((1, K3.experts), np.float32)
     logits[0, 3] = 10.0
     bias = np.zeros(K3.experts, np.float32)
     bias[3] = np.nan
-    ids, _ = check(logits, bias)
+    ids, _ = check(logits, bias, select=select)
     assert 3 not in ids[0]
     # With too few numbers, the NaN-keyed expert is chosen (lowest) and weighs its sigmoid.
     bias[:] = np.nan
     bias[[9, 2]] = 0.0
-    ids, weights = check(logits, bias)
+    ids, weights = check(logits, bias, select=select)
     np.testing.assert_array_equal(ids[0, :2], [2, 9])
     assert 3 in ids[0] and (weights[0].astype(np.float32) > 0).all()
 
 
-def test_infinities():
+def test_infinities(select):
     logits = np.zeros((2, K3.experts), np.float32)
     logits[0, [300, 7]] = np.inf  # sigmoid 1.0: bit-equal keys, 7 first
     logits[0, 1:3] = -np.inf
     logits[1] = -np.inf
     logits[1, 50] = np.inf
     bias = np.zeros(K3.experts, np.float32)
-    ids, _ = check(logits, bias)
+    ids, _ = check(logits, bias, select=select)
     np.testing.assert_array_equal(ids[0, :3], [7, 300, 0])
     assert 1 not in ids[0] and 2 not in ids[0]
     np.testing.assert_array_equal(ids[1], [50] + list(range(15)))
@@ -187,18 +200,18 @@ def test_infinities():
     bias[[600, 4]] = np.inf
     bias[:4] = -np.inf
     logits[1, 5:] = np.nan
-    ids, _ = check(logits, bias)
+    ids, _ = check(logits, bias, select=select)
     np.testing.assert_array_equal(ids[0, :4], [4, 600, 7, 300])
     # Row 1: 4's key is +inf, 0..3's -inf (above the NaN keys of every other expert, 600's too).
     np.testing.assert_array_equal(ids[1], [4, 0, 1, 2, 3] + list(range(5, 16)))
 
 
 @pytest.mark.parametrize("direction", [1, -1])
-def test_bias_makes_every_key_negative(direction):
+def test_bias_makes_every_key_negative(direction, select):
     logits = np.zeros((2, K3.experts), np.float32)
     logits[1] = np.random.default_rng(4).normal(0, 1, K3.experts)
     bias = (-3.0 + direction * 0.001 * np.arange(K3.experts)).astype(np.float32)
-    ids, _ = check(logits, bias)
+    ids, _ = check(logits, bias, select=select)
     want = np.arange(16) if direction < 0 else K3.experts - 1 - np.arange(16)
     np.testing.assert_array_equal(ids[0], want)
 
@@ -208,13 +221,13 @@ def test_bias_makes_every_key_negative(direction):
 
 @pytest.mark.parametrize("name", CONFIGS)
 @pytest.mark.parametrize("batch", [1, 3, 37, 255])
-def test_random_rows(name, batch):
+def test_random_rows(name, batch, select):
     cfg = CONFIGS[name]
     rng = np.random.default_rng(batch * 1000 + cfg.experts)
     logits = rng.normal(0, 2, (batch, cfg.experts)).astype(np.float32)
     bias = rng.uniform(-0.05, 0.05, cfg.experts).astype(np.float32)
     # The shipped schedule (one row a program) at small B; blocks of rows, with a ragged last block.
-    config = rt.RouteConfig(1, 4) if batch < 37 else rt.RouteConfig(16, 4)
+    config = rt.RouteConfig(1, 4, select) if batch < 37 else rt.RouteConfig(16, 4, select)
     check(logits, bias, cfg, config)
 
 
@@ -236,13 +249,93 @@ def adversarial_rows(rng, rows, experts):
 
 
 @pytest.mark.parametrize("name", ["k3", "e1024_top32"])
-def test_property_thousands_of_adversarial_rows(name):
+def test_property_thousands_of_adversarial_rows(name, select):
     """A seeded loop: 2048 rows per config in blocks of 256, each block with its own bias."""
     cfg = CONFIGS[name]
     rng = np.random.default_rng(2024)
     for _ in range(8):
         logits, bias = adversarial_rows(rng, 256, cfg.experts)
-        check(logits, bias, cfg, rt.RouteConfig(64, 4))
+        check(logits, bias, cfg, rt.RouteConfig(64, 4, select))
+
+
+# --- the grouped selection ---------------------------------------------------------------------------
+
+# (experts, top_k, RouteConfig.group, RouteConfig.width) -> the widths group_plan gives: every shape
+# of select_grouped (level 1 only, one or two more levels, groups of one lane, one slot) or None.
+PLANS = {
+    (896, 16, 0, 0): (16, 4),
+    (896, 16, 8, 0): (8, 4),
+    (896, 16, 8, 8): (8,),
+    (896, 16, 16, 8): (16, 8),
+    (896, 16, 32, 0): (32, 8, 4),
+    (896, 16, 64, 0): None,  # 14 groups hold experts, fewer than 16
+    (896, 16, 128, 0): None,  # 8 groups, fewer than 16 slots
+    (1024, 16, 64, 0): (64, 16, 4),
+    (1024, 32, 0, 0): (8, 4),
+    (1024, 32, 0, 2): (8, 2),
+    (384, 8, 0, 0): (16, 4),
+    (256, 8, 0, 0): (8, 4),
+    (100, 6, 0, 0): (4,),
+    (100, 6, 0, 8): (4,),
+    (300, 7, 2, 0): (2,),
+    (20, 16, 0, 0): (1,),
+    (5, 3, 0, 0): (1,),
+    (256, 1, 0, 0): (64, 16, 4),
+}
+
+
+def test_group_plan():
+    for (experts, k, group, width), widths in PLANS.items():
+        lanes = rt.next_power_of_2(experts)
+        assert rt.group_plan(lanes, experts, k, group, width) == widths, (experts, k, group, width)
+
+
+def ranked_lanes(keys, k):
+    """numpy: per row the lanes of the k largest int keys, ties to the lower lane."""
+    lanes = np.arange(keys.shape[1])
+    return np.stack([np.lexsort((lanes, -row.astype(np.int64)))[:k] for row in keys])
+
+
+@pytest.mark.parametrize("experts, k, group, width", [key for key, plan in PLANS.items() if plan])
+def test_select_grouped_outside_a_kernel(experts, k, group, width):
+    """select_grouped as plain JAX on ordered keys (keys_at a take_along_axis) against a numpy sort,
+    on 512 rows of few distinct keys (ties across groups and at the cut), NaN and padding keys."""
+    lanes, slots = rt.next_power_of_2(experts), rt.next_power_of_2(k)
+    widths = rt.group_plan(lanes, experts, k, group, width)
+    rng = np.random.default_rng(experts * 100 + k + group + width)
+    rows = 512
+    distinct = rng.integers(1, 40, (rows, 1))  # per row, how many distinct key values
+    keys = (rng.integers(0, 1 << 20, (rows, lanes)) % distinct - 20).astype(np.int32)
+    keys = np.where(rng.random((rows, lanes)) < 0.05, np.int32(rt.NAN_KEY), keys)
+    keys[rows // 2:][rng.random(rows // 2) < 0.5] = rt.NAN_KEY  # all-NaN rows
+    keys[:, experts:] = rt.PAD_KEY
+
+    @jax.jit
+    def select(ordered):
+        def keys_at(at):
+            flat = jnp.take_along_axis(ordered, at.reshape(at.shape[0], -1), axis=1)
+            return flat.reshape(at.shape)
+
+        lane = jnp.arange(lanes, dtype=jnp.int32)[None]
+        slot = jnp.arange(slots, dtype=jnp.int32)[None]
+        return rt.select_grouped(ordered, lane, slot, k, keys_at, widths)
+
+    ids = np.asarray(select(jnp.asarray(keys)))
+    assert ids.shape == (rows, slots)
+    np.testing.assert_array_equal(ids[:, :k], ranked_lanes(keys, k))
+    assert (ids[:, k:] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "experts, k, group, width",
+    [(1024, 16, 64, 0), (896, 16, 32, 0), (896, 16, 8, 8), (20, 16, 0, 0), (300, 7, 2, 0)],
+)
+def test_grouped_plans_in_the_kernel(experts, k, group, width):
+    """The kernel's groups selection with the other plans (three levels, one, groups of one lane)
+    on adversarial rows in blocks of 4 rows, a ragged last one."""
+    cfg = mf.FrontConfig(hidden=256, experts=experts, top_k=k, latent=128, shared=0)
+    logits, bias = adversarial_rows(np.random.default_rng(experts + k), 37, experts)
+    check(logits, bias, cfg, rt.RouteConfig(4, 4, "groups", group, width))
 
 
 # --- registration, lowering, errors ------------------------------------------------------------------
@@ -268,13 +361,21 @@ def test_registered_behind_route_and_moe_front():
 @pytest.mark.parametrize(
     "name, batches", [("k3", (1, 64, 256)), ("e1024_top32", (1, 37)), ("e100_top6_plain", (3,))]
 )
-def test_lowers_for_h200_as_one_kernel(name, batches):
-    """One Triton kernel per call; no sort, top_k, gather or division left to XLA."""
+def test_lowers_for_h200_as_one_kernel(name, batches, select):
+    """One Triton kernel per call; no sort, top_k, gather or division left to XLA. The picked
+    schedules (with ``select`` in place of theirs), and blocks of 4 rows."""
     cfg = CONFIGS[name]
     bias = jnp.zeros((cfg.experts,), jnp.float32)
-    for batch in batches:
+
+    def route(logits, bias, block_rows=None):
+        config = rt.pick_config(logits.shape[0], cfg.experts, cfg.top_k)  # the H200's, when tracing
+        if block_rows is not None:
+            config = dataclasses.replace(config, block_rows=block_rows)
+        return rt.route(logits, bias, cfg, config=dataclasses.replace(config, select=select))
+
+    for batch, block_rows in [(batch, None) for batch in batches] + [(max(batches), 4)]:
         logits = jnp.zeros((batch, cfg.experts), jnp.float32)
-        text = lower_for_h200(lambda l, b: rt.route(l, b, cfg), logits, bias)
+        text = lower_for_h200(functools.partial(route, block_rows=block_rows), logits, bias)
         assert text.count("__gpu$xla.gpu.triton") == 1
         for op in ("stablehlo.sort", "top_k", "stablehlo.gather", "stablehlo.divide", "logistic"):
             assert op not in text, (name, batch, op)
@@ -290,6 +391,15 @@ def test_heuristic_and_config_errors():
         rt.RouteConfig(3, 4)
     with pytest.raises(ValueError, match="RouteConfig.num_warps must be a power of two"):
         rt.RouteConfig(1, 0)
+    with pytest.raises(ValueError, match="RouteConfig.select must be one of .* got 'radix'"):
+        rt.RouteConfig(1, 4, "radix")
+    with pytest.raises(ValueError, match="RouteConfig.group must be 0 or a power of two, got 12"):
+        rt.RouteConfig(1, 4, "groups", 12)
+    with pytest.raises(ValueError, match="RouteConfig.width must be 0 or a power of two, got -4"):
+        rt.RouteConfig(1, 4, "groups", 8, -4)
+    configs = [rt.RouteConfig(1, 4), rt.RouteConfig(2, 8, "groups"),
+               rt.RouteConfig(1, 4, "groups", 8), rt.RouteConfig(1, 4, "groups", 8, 8)]
+    assert [c.name for c in configs] == ["r1w4", "r2w8g", "r1w4g8", "r1w4g8x8"]
     bias = jnp.zeros((K3.experts,), jnp.float32)
     with pytest.raises(ValueError, match=r"logits must be \[B, experts=896\] float32"):
         rt.route(jnp.zeros((2, 64), jnp.float32), bias, K3)
@@ -329,7 +439,7 @@ def edge_rows(experts):
 
 
 @pytest.mark.gpu
-def test_gpu_matches_xla_reference():
+def test_gpu_matches_xla_reference(select):
     """100,000 random rows and the edge cases on the GPU, against the XLA reference on the same
     device: ids equal wherever the reference's sorted keys down to the 17th are more than 8 ulps
     apart (the chosen set wherever the 16th and 17th are), ties to the lower id, weights within one
@@ -338,13 +448,18 @@ def test_gpu_matches_xla_reference():
     Bit-equal keys count as near ties in random rows: the kernel's sigmoid (libdevice exp, a
     correctly rounded division) and XLA's differ in the last bits, so two keys equal under XLA's
     sigmoid need not be equal under the kernel's. Genuine ties, from bit-equal logits and biases, are
-    the edge rows."""
+    the edge rows. Both selections, each with the device's picked schedules."""
     cfg = K3
     k = cfg.top_k
     rng = np.random.default_rng(11)
     bias = rng.uniform(-0.05, 0.05, cfg.experts).astype(np.float32)
     random_rows = rng.normal(0, 2, (GPU_ROWS, cfg.experts)).astype(np.float32)
-    kernel = jax.jit(lambda l, b: rt.route(l, b, cfg))
+
+    def route(logits, bias):
+        config = rt.pick_config(logits.shape[0], cfg.experts, cfg.top_k)
+        return rt.route(logits, bias, cfg, config=dataclasses.replace(config, select=select))
+
+    kernel = jax.jit(route)
     xla = jax.jit(lambda l, b: reference.route(l, b, cfg))
     keys_of = jax.jit(lambda l, b: reference.ordered_key(jax.nn.sigmoid(l) + b))
     edges = jnp.asarray(edge_rows(cfg.experts))
