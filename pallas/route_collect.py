@@ -4,8 +4,10 @@
 last published, what ``mailbox.collect`` followed by ``route.route`` does, in one Pallas kernel:
 
 1. load the row's data words (volatile loads: every poll re-reads memory a publisher may still be
-   writing) and route its logits as ``route.route`` does (``ordered_keys``, ``select_ranked``,
-   ``routing_weights`` are that kernel's functions), gathering the chosen logits back from the row;
+   writing) and route its logits as ``route.route`` does, with the same schedule and selection
+   (``ordered_keys``, ``select_ranked`` or ``select_grouped``, ``routing_weights`` are that
+   kernel's functions; the groups selection's second looks and the weights' gather load from the
+   row), gathering the chosen logits back from the row;
 2. count the words still holding the sentinel; if any, poll and route again, at most ``spin_limit``
    times; a row still holding one then sets ``status`` to ``TIMEOUT``, and the other programs, which
    read ``status`` while they poll, stop;
@@ -79,7 +81,7 @@ def fuses_plan(cfg) -> bool:
 
 def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref, status_ref,
             ids_ref, weights_ref, logits_ref, latent_ref, *plan_refs, batch, cfg, lanes,
-            latent_lanes, slots, block_rows, spin_limit, interpret):
+            latent_lanes, slots, block_rows, widths, spin_limit, interpret):
     del buffer_in, control_in, status_in  # aliased to buffer_ref, control_ref, status_ref
     bb, k, experts = block_rows, cfg.top_k, cfg.experts
     words = mb.latent_words(cfg)
@@ -106,16 +108,33 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
     slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
     out_mask = row_ok & (slot < k)
 
+    def gather(at_rows, at, ok):
+        """The row's logit words at experts ``at`` (volatile too: a line an earlier poll cached in
+        L1 may be stale)."""
+        return plgpu.load(buffer_ref.at[generation, at_rows, words + at], mask=ok, other=0,
+                          volatile=True)
+
+    def keys_at(at):
+        """Keys of experts ``at`` ``[bb, a, b]``, loaded again: the bits ``ordered_keys`` gave them."""
+        ok = (at < experts) & row_ok[:, :, None]
+        x = lax.bitcast_convert_type(gather(jnp.broadcast_to(rows[:, :, None], at.shape), at, ok),
+                                     jnp.float32)
+        bg = plgpu.load(bias_ref.at[at], mask=at < experts, other=0.0)
+        return rt.ordered_keys(x, bg, at < experts, interpret)
+
     def attempt(spins):
         """Load the row (volatile), route it, then count its words still holding the sentinel: the
         count comes after the routing in program order, so it waits on nothing the routing did not."""
         logit_words = plgpu.load(logit_cells, mask=logit_ok, other=0, volatile=True)
         latent_words = plgpu.load(latent_cells, mask=latent_ok, other=0, volatile=True)
         x = lax.bitcast_convert_type(logit_words, jnp.float32)
-        ids = rt.select_ranked(rt.ordered_keys(x, b, lane < experts, interpret), lane, slot, k)
+        ordered = rt.ordered_keys(x, b, lane < experts, interpret)
+        if widths is None:
+            ids = rt.select_ranked(ordered, lane, slot, k)
+        else:
+            ids = rt.select_grouped(ordered, lane, slot, k, keys_at, widths)
         # The chosen logits, gathered back from the row (unchanged until the re-arm below).
-        cells = buffer_ref.at[generation, jnp.broadcast_to(rows, (bb, slots)), words + ids]
-        chosen = plgpu.load(cells, mask=out_mask, other=0)
+        chosen = gather(jnp.broadcast_to(rows, (bb, slots)), ids, out_mask)
         pending = jnp.sum((logit_words == sentinel).astype(jnp.int32), axis=1) + jnp.sum(
             (latent_words == sentinel).astype(jnp.int32), axis=1
         )
@@ -230,6 +249,7 @@ def route_collect(
         latent_lanes=rt.next_power_of_2(words),
         slots=rt.next_power_of_2(cfg.top_k),
         block_rows=block_rows,
+        widths=rt.group_widths(config, cfg.experts, cfg.top_k),
         spin_limit=spin_limit,
         interpret=interpret,
     )

@@ -39,10 +39,11 @@ def bias_of(cfg, seed):
     return jnp.asarray(rng.uniform(-0.05, 0.05, cfg.experts).astype(np.float32))
 
 
-def interpret(box, bias, batch, spin_limit=rc.SPIN_LIMIT, with_plan=False):
+def interpret(box, bias, batch, spin_limit=rc.SPIN_LIMIT, with_plan=False, config=None):
     return jax.jit(
         lambda box, status, bias: rc.route_collect(
-            box, status, bias, batch, interpret=True, spin_limit=spin_limit, with_plan=with_plan
+            box, status, bias, batch, interpret=True, spin_limit=spin_limit, with_plan=with_plan,
+            config=config,
         )
     )(box, jnp.zeros((), jnp.int32), bias)
 
@@ -53,10 +54,11 @@ def expected(box, bias, batch):
     return ids, weights, logits, latent, status, box
 
 
+@pytest.mark.parametrize("select", ["groups", "argmax"])
 @pytest.mark.parametrize(
     "cfg, batches", [(SMALL, (1, 3, 8)), (mf.KIMI_K3, (1, 3)), (WIDE, (2,))], ids=["small", "k3", "wide"]
 )
-def test_interpret_equals_collect_then_route(cfg, batches):
+def test_interpret_equals_collect_then_route(cfg, batches, select):
     """Over consecutive steps (generations rotating), rows of -0, subnormals and random values: the
     same ids, weights, logits and latent bits, status 0, the mailbox left as the plain collect leaves
     it (armed, control words updated); with the plan (every other step), the reference plan of the
@@ -68,7 +70,8 @@ def test_interpret_equals_collect_then_route(cfg, batches):
         box = mb.publish(box, *shards, backend="xla")
         want = expected(box, bias, batch)
         with_plan = t % 2 == 0
-        *got, box = interpret(box, bias, batch, with_plan=with_plan)
+        config = rt.RouteConfig(2, 4, select)  # two rows a program: row masks at odd batches
+        *got, box = interpret(box, bias, batch, with_plan=with_plan, config=config)
         if with_plan:
             values, scales = got.pop(4)
             plan = reference.mxfp8_plan(jnp.asarray(canonical_latent(shards[1])), cfg.plan_block)
@@ -151,12 +154,18 @@ def test_argument_errors():
         rc.route_collect(mf.Mailbox.create(odd, capacity=4), zero, bias_of(odd, 0), 2, with_plan=True)
 
 
-@pytest.mark.parametrize("batch, with_plan", [(1, False), (64, True), (256, False), (256, True)])
-def test_lowers_for_h200_as_one_kernel_updating_the_mailbox_in_place(batch, with_plan):
+@pytest.mark.parametrize(
+    "batch, with_plan, config",
+    [(1, False, None), (64, True, None), (256, False, None), (256, True, None),
+     (8, True, rt.RouteConfig(1, 4)), (8, False, rt.RouteConfig(2, 8, "groups"))],
+)
+def test_lowers_for_h200_as_one_kernel_updating_the_mailbox_in_place(batch, with_plan, config):
     cfg = mf.KIMI_K3
     box = mf.Mailbox.create(cfg, capacity=256)
     text = lower_for_h200(
-        lambda box, status, bias: rc.route_collect(box, status, bias, batch, with_plan=with_plan),
+        lambda box, status, bias: rc.route_collect(
+            box, status, bias, batch, with_plan=with_plan, config=config
+        ),
         box, jnp.zeros((), jnp.int32), bias_of(cfg, 0),
     )
     assert text.count("__gpu$xla.gpu.triton") == 1

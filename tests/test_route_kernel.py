@@ -385,8 +385,8 @@ def test_lowers_for_h200_as_one_kernel(name, batches, select):
 
 
 def test_heuristic_and_config_errors():
-    assert rt.heuristic_config(1, 896, 16) == rt.RouteConfig(1, 4)
-    assert rt.heuristic_config(1, 100, 6) == rt.RouteConfig(1, 1)
+    assert rt.heuristic_config(1, 896, 16) == rt.RouteConfig(1, 4, "groups")
+    assert rt.heuristic_config(1, 100, 6) == rt.RouteConfig(1, 1, "groups")
     with pytest.raises(ValueError, match="RouteConfig.block_rows must be a power of two"):
         rt.RouteConfig(3, 4)
     with pytest.raises(ValueError, match="RouteConfig.num_warps must be a power of two"):
