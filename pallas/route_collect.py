@@ -108,30 +108,25 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
     slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
     out_mask = row_ok & (slot < k)
 
-    def attempt(spins, volatile: bool):
-        """Load the row, route it, then count its words still holding the sentinel: the count comes
-        after the routing in program order, so it waits on nothing the routing did not.
+    def gather(at_rows, at, ok):
+        """The row's logit words at experts ``at`` (volatile too: a line an earlier poll cached in
+        L1 may be stale)."""
+        return plgpu.load(buffer_ref.at[generation, at_rows, words + at], mask=ok, other=0,
+                          volatile=True)
 
-        The first attempt loads through L1, so that the routing's second looks at the row (the
-        groups selection's, the weights' gather) hit it; no load of this kernel has cached the row
-        before it. The attempts of the spin loop load volatile, every look included: a line an
-        earlier attempt cached may be stale."""
+    def keys_at(at):
+        """Keys of experts ``at`` ``[bb, a, b]``, loaded again: the bits ``ordered_keys`` gave them."""
+        ok = (at < experts) & row_ok[:, :, None]
+        x = lax.bitcast_convert_type(gather(jnp.broadcast_to(rows[:, :, None], at.shape), at, ok),
+                                     jnp.float32)
+        bg = plgpu.load(bias_ref.at[at], mask=at < experts, other=0.0)
+        return rt.ordered_keys(x, bg, at < experts, interpret)
 
-        def gather(at_rows, at, ok):
-            """The row's logit words at experts ``at``."""
-            cells = buffer_ref.at[generation, at_rows, words + at]
-            return plgpu.load(cells, mask=ok, other=0, volatile=volatile)
-
-        def keys_at(at):
-            """Keys of experts ``at`` ``[bb, a, b]``, loaded again: the bits ``ordered`` holds."""
-            ok = (at < experts) & row_ok[:, :, None]
-            at_rows = jnp.broadcast_to(rows[:, :, None], at.shape)
-            x = lax.bitcast_convert_type(gather(at_rows, at, ok), jnp.float32)
-            bg = plgpu.load(bias_ref.at[at], mask=at < experts, other=0.0)
-            return rt.ordered_keys(x, bg, at < experts, interpret)
-
-        logit_words = plgpu.load(logit_cells, mask=logit_ok, other=0, volatile=volatile)
-        latent_words = plgpu.load(latent_cells, mask=latent_ok, other=0, volatile=volatile)
+    def attempt(spins):
+        """Load the row (volatile), route it, then count its words still holding the sentinel: the
+        count comes after the routing in program order, so it waits on nothing the routing did not."""
+        logit_words = plgpu.load(logit_cells, mask=logit_ok, other=0, volatile=True)
+        latent_words = plgpu.load(latent_cells, mask=latent_ok, other=0, volatile=True)
         x = lax.bitcast_convert_type(logit_words, jnp.float32)
         ordered = rt.ordered_keys(x, b, lane < experts, interpret)
         if widths is None:
@@ -154,12 +149,12 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
         # Once one program has timed out the step has failed: the others stop polling at once.
         given_up = plgpu.load(status_ref.at[pl.ds(0, 1)], volatile=True)
         limit, one = jnp.int32(spin_limit), jnp.int32(1)
-        return attempt(jnp.where(jnp.max(given_up) != 0, limit, spins + one), volatile=True)
+        return attempt(jnp.where(jnp.max(given_up) != 0, limit, spins + one))
 
     # Routing starts on the first load of the row; only when some of its words had not landed (a
     # peer still writing) does the program poll again, and route again.
     logit_words, latent_words, ids, chosen, pending, _ = lax.while_loop(
-        again, spin, attempt(jnp.int32(0), volatile=False)
+        again, spin, attempt(jnp.int32(0))
     )
 
     @pl.when(pending > 0)
