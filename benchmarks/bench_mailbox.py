@@ -5,10 +5,10 @@ the script times, with CUPTI (summed kernel time per call), in one process:
 
 - ``direct``: ``jax.jit(moe_front)(x, params)`` (the XLA reference front GEMM and routing);
 - ``mailbox``: ``jax.jit(moe_front, donate_argnames="mailbox")(x, params, mailbox=box)``, the box
-  threaded from call to call as a decode loop does: the publish, then the routing kernel polling the
-  mailbox (``pallas/route_collect.py``);
-- ``separate``: the same step with the collect as its own kernel (``bridge.mailbox.exchange``, then
-  the routing kernel on the collected logits), as the mailbox path ran before ``route_collect``;
+  threaded from call to call as a decode loop does: the publish, the collect, the routing kernel;
+- ``fused``: the same step with the routing kernel polling the mailbox itself
+  (``pallas/route_collect.py``, collect and route in one kernel), which ``moe_front`` runs with
+  ``plan=True`` only;
 - ``exchange``: the mailbox alone (``bridge.mailbox.exchange``: publish + collect), and its two kernels;
 - ``direct_plan`` and ``mailbox_plan``: both paths with ``plan=True`` (issue 7: the plan adds at most
   1 us to the latent write), the direct path planning with the plan kernel after XLA's GEMM, the
@@ -51,7 +51,6 @@ import numpy as np
 
 import moe_front_jax as mf
 from moe_front_jax.bridge import mailbox as mb
-from moe_front_jax.pallas import route as rt
 from moe_front_jax.pallas import route_collect as rc
 
 BATCHES = (1, 8, 64, 256)
@@ -104,6 +103,8 @@ def kernel_us(summary: dict, fragment: str) -> float:
 
 
 def bench_batch(batch: int, params: list, cfg) -> dict:
+    from moe_front_jax.bridge import triton_mailbox as tm  # needs a GPU jaxlib
+
     xs = [
         (jax.random.normal(jax.random.key(100 + i), (batch, cfg.hidden)) + 0.1).astype(jnp.bfloat16)
         for i in range(COPIES)
@@ -121,20 +122,20 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
         return out
 
     @functools.partial(jax.jit, donate_argnums=2)
-    def separate(x, p, box):
+    def fused(x, p, box):
         logits, latent = mf.reference.front_gemm(x, p.packed, p.split, cfg.experts_per_rank)
-        logits, latent, status, box = mb.exchange(box, logits, latent)
-        return rt.route(logits, p.bias, cfg), latent, logits, status, box
+        box, status = tm.publish(box, logits, latent)
+        return rc.route_collect(box, status, p.bias, batch)
 
-    def run_separate(i):
-        *out, status, state["box"] = separate(xs[i % COPIES], params[i % COPIES], state["box"])
+    def run_fused(i):
+        *out, status, state["box"] = fused(xs[i % COPIES], params[i % COPIES], state["box"])
         state["statuses"].append(status)
         return out
 
     runs = {
         "direct": run_direct,
         "mailbox": run_mailbox,
-        "separate": run_separate,
+        "fused": run_fused,
         "direct_plan": functools.partial(run_direct, plan=True),
         "mailbox_plan": functools.partial(run_mailbox, plan=True),
     }
@@ -155,21 +156,22 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
     statuses = {int(s) for s in state["statuses"]}
     if statuses != {0}:
         raise RuntimeError(f"B={batch}: mailbox statuses {statuses}, expected only 0")
-    d, m, s, dp, mp = (summarize(rounds[name]) for name in runs)
+    d, m, f, dp, mp = (summarize(rounds[name]) for name in runs)
     return dict(
         batch=batch,
         direct=d,
         mailbox=m,
-        separate=s,
+        fused=f,
         direct_plan=dp,
         mailbox_plan=mp,
         plan_added_direct_us=dp["us"] - d["us"],
         plan_added_mailbox_us=mp["us"] - m["us"],
         exchange=exchange,
         added_us=m["us"] - d["us"],
-        separate_added_us=s["us"] - d["us"],
+        fused_added_us=f["us"] - d["us"],
         publish_us=kernel_us(m, "mailbox_publish"),
-        route_collect_us=kernel_us(m, "route_collect"),
+        collect_us=kernel_us(m, "mailbox_collect"),
+        route_collect_us=kernel_us(f, "route_collect"),
         route_us=kernel_us(d, "route"),
     )
 
@@ -348,8 +350,8 @@ def main():
     print("timeout status after (s):", {b: round(s, 4) for b, s in report["timeout_s"].items()})
     print()
     print(
-        "| B | direct us | mailbox us | added us | publish us | route_collect us | route (direct) us "
-        "| separate collect: added us | exchange alone us | plan adds, direct us "
+        "| B | direct us | mailbox us | added us | publish us | collect us | route us "
+        "| fused: added us | route_collect us | exchange alone us | plan adds, direct us "
         "| plan adds, mailbox us |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -357,8 +359,8 @@ def main():
         d, m = row["direct"]["us"], row["mailbox"]["us"]
         print(
             f"| {row['batch']} | {d:.2f} | {m:.2f} | {row['added_us']:+.2f} | {row['publish_us']:.2f} "
-            f"| {row['route_collect_us']:.2f} | {row['route_us']:.2f} | "
-            f"{row['separate_added_us']:+.2f} | {row['exchange']['us']:.2f} | "
+            f"| {row['collect_us']:.2f} | {row['route_us']:.2f} | {row['fused_added_us']:+.2f} | "
+            f"{row['route_collect_us']:.2f} | {row['exchange']['us']:.2f} | "
             f"{row['plan_added_direct_us']:+.2f} | {row['plan_added_mailbox_us']:+.2f} |"
         )
 

@@ -74,9 +74,9 @@ the programs of a later wave do not each spin to the limit.
 Backends: ``"auto"`` runs the jax-triton kernels of ``triton_mailbox`` on a GPU (imported only then:
 jax-triton 0.3.1 cannot be imported without a GPU jaxlib) and this module's plain JAX elsewhere;
 ``"pallas"`` asks for the kernels; ``"xla"`` and ``"interpret"`` run the plain-JAX protocol.
-``exchange_route`` (the path of ``moe_front``) collects with the routing kernel instead
-(``pallas/route_collect.py``) wherever that kernel runs: on a GPU after the kernels' publish, and in
-interpret mode after the plain-JAX publish.
+``exchange_route`` (the path of ``moe_front``) with ``plan=True`` collects with the routing kernel
+instead (``pallas/route_collect.py``) wherever that kernel runs: on a GPU after the kernels' publish,
+and in interpret mode after the plain-JAX publish.
 
 Transports (``exchange``'s ``transport``): ``"gather"`` (the default) gathers the ranks' shards with
 one XLA all-gather and publishes them locally (with the GPU kernels: tp = 1 only); ``"peer"`` runs the
@@ -503,10 +503,14 @@ def exchange_route(
     """``exchange``, then the routing step of SPEC section 4 over the collected logits (and, with
     ``plan``, the MXFP8 plan of the collected latent, SPEC section 5).
 
-    Where ``backend`` runs the routing kernel (``"pallas"``, ``"interpret"``, ``"auto"`` on a GPU),
-    that kernel polls the mailbox itself (``pallas/route_collect.py``: collect, route and plan in one
-    launch); otherwise ``exchange``, the routing and the plan stages run one after the other. The
-    outputs are the same bits either way.
+    With ``plan``, where ``backend`` runs the routing kernel (``"pallas"``, ``"interpret"``,
+    ``"auto"`` on a GPU), the routing kernel polls the mailbox itself and writes the plan from the
+    words it collects (``pallas/route_collect.py``: collect, route and plan in one launch, the plan
+    in the pass that writes the latent). Otherwise ``exchange`` (the collect kernel), the routing and
+    the plan stages run one after the other: on the H200, with the groups selection, the separate
+    collect and routing kernels measured 1.1-1.6 us faster than ``route_collect`` at B <= 64, whose
+    routing re-reads the row from L2 rather than L1 (benchmarks/RESULTS.md). The outputs are the
+    same bits either way.
 
     Args:
       mailbox, logits, latent_shard, axis_name, backend, transport: as for ``exchange``.
@@ -525,7 +529,8 @@ def exchange_route(
 
     cfg = mailbox_config(mailbox)
     route = backends.stage("route", backend)
-    if route is backends.REFERENCE["route"]:
+    fused = plan and route is not backends.REFERENCE["route"] and route_collect.fuses_plan(cfg)
+    if not fused:
         logits, latent, status, mailbox = exchange(
             mailbox, logits, latent_shard, axis_name=axis_name, backend=backend, transport=transport
         )
@@ -536,12 +541,6 @@ def exchange_route(
     mailbox, status = _publish_all(mailbox, logits, latent_shard, axis_name, backend, transport)
     if status is None:
         status = jnp.zeros((), jnp.int32)
-    with_plan = plan and route_collect.fuses_plan(cfg)
-    *out, status, mailbox = route_collect.route_collect(
-        mailbox, status, bias, batch, with_plan=with_plan, interpret=backend == "interpret"
+    return route_collect.route_collect(
+        mailbox, status, bias, batch, with_plan=True, interpret=backend == "interpret"
     )
-    if plan and not with_plan:
-        out.append(backends.stage("plan", backend)(out[3], cfg.plan_block))
-    elif not plan:
-        out.append(None)
-    return (*out, status, mailbox)

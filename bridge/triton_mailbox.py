@@ -8,9 +8,8 @@ Why jax-triton: the protocol needs raw pointers into a buffer that persists acro
 updated in place (``input_output_aliases``), volatile 16-byte loads that re-read memory another
 writer may change while the kernel runs, and a spin loop bounded by a count rather than by a shape;
 ``triton_call`` gives all three directly, over the row as flat 16-byte chunks. Pallas' Triton lowering
-has them too in jax 0.11.2 (``plgpu.load(..., volatile=True)``, ``lax.while_loop``): on the path of
-``moe_front`` the routing kernel polls the mailbox itself (``pallas/route_collect.py``), and
-``collect`` here serves ``exchange``, which returns the rows without routing them.
+has them too in jax 0.11.2 (``plgpu.load(..., volatile=True)``, ``lax.while_loop``): with
+``plan=True`` the routing kernel polls the mailbox itself (``pallas/route_collect.py``).
 
 The layout, the sentinel, the generations, the control words and the safety argument of the immediate
 re-arm are in ``mailbox``'s docstring. Both kernels run one program per (block of ``BLOCK_CHUNKS``

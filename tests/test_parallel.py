@@ -382,8 +382,8 @@ def test_mailbox_inside_callers_shard_map_equals_the_all_gather_path(backend):
     """Each rank's own mailbox carries every rank's shards: over three steps (more than the two
     generations) the ranks' ids, weights, latent and logits equal the all-gather path's bit for bit
     (these rows hold no -0, the one value the mailbox canonicalizes), the status is 0 and every
-    mailbox comes back armed. With ``"interpret"`` the routing kernel polls each rank's mailbox
-    (``route_collect``), in interpret mode."""
+    mailbox comes back armed. With ``"interpret"`` and the plan, the routing kernel polls each rank's
+    mailbox and writes the plan (``route_collect``, in interpret mode)."""
     mesh = tp_mesh(8)
     params = mf.shard_params(weights(CFG), CFG, mesh)
     specs = jax.tree.map(lambda a: a.sharding.spec, params)
@@ -398,13 +398,15 @@ def test_mailbox_inside_callers_shard_map_equals_the_all_gather_path(backend):
     )
     def step(x, local, buffer, control):
         box = mf.Mailbox(buffer[0], control[0], local.cfg)
-        got, box = mf.moe_front(x, local, axis_name="tp", backend=backend, mailbox=box)
-        want = mf.moe_front(x, local, axis_name="tp", backend=backend)
+        got, box = mf.moe_front(x, local, axis_name="tp", backend=backend, mailbox=box, plan=True)
+        want = mf.moe_front(x, local, axis_name="tp", backend=backend, plan=True)
         def bits(a):
-            return jax.lax.bitcast_convert_type(a, jnp.uint16 if a.dtype.itemsize == 2 else jnp.uint32)
+            unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize]
+            return jax.lax.bitcast_convert_type(a, unsigned)
 
-        fields = ("ids", "weights", "latent", "logits")
-        same = jnp.stack([jnp.all(bits(getattr(got, f)) == bits(getattr(want, f))) for f in fields])
+        pairs = [(getattr(got, f), getattr(want, f)) for f in ("ids", "weights", "latent", "logits")]
+        pairs += list(zip(got.plan, want.plan))
+        same = jnp.stack([jnp.all(bits(g) == bits(w)) for g, w in pairs])
         return same[None], got.status[None], box.buffer[None], box.control[None]
 
     for t in range(3):
