@@ -17,8 +17,8 @@ masked lanes to ``lanes``, the next power of two (896 -> 1024), and keeps them i
 becomes an order-preserving int32: the float bits ``b`` as they are for ``b >= 0``, ``b ^ 0x7FFFFFFF``
 for negative floats (the SPEC's uint32 ``ordered`` with its top bit flipped); NaN maps to
 ``INT32_MIN + 1``, below every number, and the padding lanes to ``INT32_MIN``, below NaN (no float
-maps to the ordered values in between, so the order of real keys is untouched). Then ``top_k`` rounds,
-unrolled, each one ``argmax`` over the row, which Pallas' Triton lowering reduces as (value, index)
+maps to the ordered values in between, so the order of real keys is untouched). Then one of two
+selections. ``"argmax"`` (``select_ranked``): ``top_k`` rounds, unrolled, each one ``argmax`` over the row, which Pallas' Triton lowering reduces as (value, index)
 pairs keeping the lower index on equal values: that is rank ``r``'s expert, exactly the SPEC's order
 (key descending, id ascending), with no sort, no threshold and no compaction. The chosen lane is set
 to ``INT32_MIN`` before the next round; since ``E >= top_k`` real lanes sit above ``INT32_MIN``, every
@@ -27,8 +27,8 @@ included. The weights gather the chosen experts' logits back (``top_k`` loads pe
 recompute their sigmoids, sum them as the SPEC's pairwise tree over the ``slots`` lanes (``top_k``
 padded to a power of two with zeros) and divide.
 
-Second selection, under measurement: ``RouteConfig(select="groups")`` (``select_grouped``) finds the
-same ids, exactly, with a fixed handful of reductions instead of ``top_k`` dependent rounds. The row
+``"groups"`` (``select_grouped``, what the H200 table and the heuristic pick) finds the same ids,
+exactly, with a fixed handful of reductions instead of ``top_k`` dependent rounds. The row
 is cut into groups of ``S`` consecutive lanes (16 for K3: 64 groups); the group maxima are ranked by
 a pairwise ``[64, 64]`` comparison (equal maxima to the lower group), and only the ``slots`` best
 groups can hold the top ``top_k`` (were a top lane in a group ranked lower, the maxima of the
@@ -41,10 +41,8 @@ from L1/L2; ``route_bytes`` counts argmax's traffic. ``group_plan`` picks the si
 ``(E, top_k)`` (``S = lanes / (4 * slots)``, runs a quarter as wide while wider than 4;
 ``RouteConfig.group`` and ``.width`` override them) and falls back to argmax where groups cannot
 work. Compiled for sm_90 with Triton 3.6 from the lowered Triton IR (``benchmarks/route_sm90.py``;
-static counts, not timings), the one-row K3 kernel with 4 warps has 20 barriers and 1984 SASS
-instructions against argmax's 51 and 2336, no spills. Which is faster, and with which schedule, is
-for the H200 sweep (``benchmarks/bench_route.py --sweep`` times both); the shipped table still picks
-argmax.
+static counts), the one-row K3 kernel with 4 warps has 20 barriers and 1984 SASS instructions
+against argmax's 51 and 2336, no spills.
 
 Backend: Pallas' Triton lowering (``pl.pallas_call`` with ``jax.experimental.pallas.triton``
 compiler params; deprecated in jax 0.11 but working). The kernel is a chain of row reductions over a
@@ -67,11 +65,14 @@ Cost per call:
 so the kernel is latency-bound, not bandwidth-bound: 3.7 KB a row is 0.8 ns of HBM time at 4.65 TB/s,
 while the ``top_k`` dependent reductions take microseconds. ``route_bytes`` gives the byte count.
 
-Measured (H200, CUPTI, 2026-12-03, benchmarks/RESULTS.md): 4.48 us at B=1, 4.64 at B=64, 5.82 at
-B=256 with the table's schedules; 2.6-3.0x faster than the XLA reference route in the same run, short
-of issue #3's targets (3.0 us up to B=64, 5.0 at 256, 4x). The time is the chain of ``top_k``
-(value, index) reductions, each one a sequential in-thread combine, warp shuffles and a shared-memory
-round across warps. A radix select (the ``top_k``-th key found MSB-first by packed integer counts,
+Measured (H200, CUPTI, 2026-12-03, benchmarks/RESULTS.md), with the table's schedules: 3.33 us at
+B=1, 3.55 at B=64, 4.51 at B=256 with the groups selection, 3.6-3.9x faster than the XLA reference
+route in the same run; short of issue #3's 3.0 us up to B=64 and of 4x, within its 5.0 us at 256.
+The argmax selection's best schedules took 4.48-4.64 us at B <= 64 and 5.82 at 256: the chain of
+``top_k`` (value, index) reductions, each one a sequential in-thread combine, warp shuffles and a
+shared-memory round across warps. The groups selection's 8 reductions and 2 dependent reloads still
+leave it about three times the 1 us a kernel that loads a row and stores a result costs here (the
+plan kernel's 0.93 us). A radix select (the ``top_k``-th key found MSB-first by packed integer counts,
 then the chosen lanes compacted by cumsum and masked sums and ranked by a ``[top_k, top_k]``
 comparison; commit 99a6d6f, reverted) was measured in the same run and was slower at every batch and
 schedule: 4.8-21.9 us, best 4.77 at B=1 with 4 warps, 2-bit digits and an early exit. Packing key
