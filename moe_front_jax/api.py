@@ -104,8 +104,9 @@ def moe_front(
       shared_reduce: how the ranks' shared-expert partial sums are reduced: ``"psum"`` (``shared``
         ``[B, H]`` on every rank) or ``"psum_scatter"`` (each rank's ``H/tp`` hidden columns).
       mailbox: a ``Mailbox``: the logits and latent shard travel through it (published, polled,
-        copied out, re-armed; SPEC section 7) before routing; the routing kernel, where it runs, polls the
-        mailbox itself (``mailbox.exchange_route``). Donate it: ``jax.jit(moe_front,
+        copied out, re-armed; SPEC section 7) before routing; with ``plan=True`` the routing
+        kernel, where it runs, polls the mailbox itself and writes the plan
+        (``mailbox.exchange_route``). Donate it: ``jax.jit(moe_front,
         donate_argnames="mailbox")``. Its path canonicalizes -0 logits and latent values to +0
         (``moe_front_jax.bridge.mailbox`` says why routing is unaffected). With ``axis_name``, this
         rank's mailbox (created for ``params.cfg``); the ranks' shards reach it through a gather in
