@@ -39,15 +39,16 @@ def interpret(logits, bias, *, cfg, config=None):
 reference_route = jax.jit(reference.route, static_argnums=2)
 
 
-def check(logits, bias, cfg=K3, config=None, select="argmax"):
+def check(logits, bias, cfg=K3, config=None, select=None):
     """The interpret kernel against the reference (ids and weight bits equal: on the CPU the kernel's
     sigmoid, tree sum and division are the reference's) and the float64 oracle (ids equal on rows
     whose oracle keys have no near tie among the top k + 1, weights within one bf16 ulp where the ids
     agree: the oracle's sigmoid is correctly rounded, XLA's may be an ulp off); returns (ids, weights)
-    as numpy. ``select`` replaces the schedule's selection (``config``, else the picked one)."""
+    as numpy. ``select``, if given, replaces the schedule's selection (``config``, else the picked
+    one, which is the groups selection on every device)."""
     logits = jnp.asarray(logits, jnp.float32)
     bias = jnp.asarray(bias, jnp.float32)
-    if select != "argmax":
+    if select is not None:
         config = config or rt.pick_config(logits.shape[0], cfg.experts, cfg.top_k)
         config = dataclasses.replace(config, select=select)
     if config is not None and config.select == "groups":
