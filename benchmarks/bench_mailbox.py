@@ -342,6 +342,7 @@ def main():
         for batch in (1, max(BATCHES))
     }
     report["batches"] = [bench_batch(batch, params, cfg) for batch in BATCHES]
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_mailbox.json"), "w") as f:
         json.dump(report, f, indent=1)
     for row in report["batches"]:

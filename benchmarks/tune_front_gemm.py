@@ -39,16 +39,19 @@ def divisors(n: int) -> list[int]:
 def candidates(shape: Shape, bp: int, cores: int = 132) -> list[fg.FrontGemmConfig]:
     """The schedules worth timing for one shape and padded batch.
 
-    Rows per program 32, 64, 128 (and 16 for small batches of the small shards); for each, the
+    Rows per program 32, 64, 128 (and 16 for batch tiles up to 32); for each, the
     smallest split-K that gives every SM a program and the smallest that gives two; a K step of 128
     or 256 (64 too for the small shards, for finer splits; 64 or 128 at large batches, whose x tile
-    is wide); the deepest pipeline that fits the shared memory; 4 warps for small tiles, 8 for large.
+    is wide), and 512 or 1024 up to a batch tile of 64 (1-2 KB of each weight row per step, fewer
+    DRAM pages open at once); the deepest pipeline that fits the shared memory; 4 warps for small
+    tiles, 8 for large.
     """
     out = []
     few_rows = shape.valid + shape.shard < 2 * cores * 16  # tp >= 2: split K finely
-    for bn in ((16, 32, 64, 128) if bp <= 32 and few_rows else (32, 64, 128)):
+    for bn in ((16, 32, 64, 128) if bp <= 32 else (32, 64, 128)):
         tiles = -(-shape.valid // bn) + -(-shape.shard // bn)
-        for bk in ((64, 128, 256) if few_rows else (128, 256)) if bp <= 64 else (64, 128):
+        long_k = (512, 1024) if bn <= 32 else (512,)  # 1-2 KB of each row per step
+        for bk in ((64, 128, 256) if few_rows else (128, 256)) + long_k if bp <= 64 else (64, 128):
             steps = shape.hidden // bk
             splits = [s for s in divisors(steps) if s <= 28 and steps // s >= 2]
             chosen = []

@@ -4,13 +4,13 @@
 last published, what ``mailbox.collect`` followed by ``route.route`` does, in one Pallas kernel:
 
 1. load the row's data words (volatile loads: every poll re-reads memory a publisher may still be
-   writing) and route its logits as ``route.route`` does, with the same schedule and selection
+   writing) and count those still holding the sentinel; while any does, poll again, at most
+   ``spin_limit`` times; a row still holding one then sets ``status`` to ``TIMEOUT``, and the other
+   programs, which read ``status`` while they poll, stop;
+2. route the logits of the last poll as ``route.route`` does, with the same schedule and selection
    (``ordered_keys``, ``select_ranked`` or ``select_grouped``, ``routing_weights`` are that
    kernel's functions; the groups selection's second looks and the weights' gather load from the
    row), gathering the chosen logits back from the row;
-2. count the words still holding the sentinel; if any, poll and route again, at most ``spin_limit``
-   times; a row still holding one then sets ``status`` to ``TIMEOUT``, and the other programs, which
-   read ``status`` while they poll, stop;
 3. write the ids and weights (bit-equal to collect-then-route), and the row: the logits ``[E]``
    float32 and the latent as ``[L / 2]`` words (the caller views them as bfloat16 columns), exactly
    the words ``collect`` copies;
@@ -22,11 +22,12 @@ last published, what ``mailbox.collect`` followed by ``route.route`` does, in on
 Why one kernel: on the mailbox path at decode batch sizes each kernel costs its launch and its first
 round trip to memory, not bandwidth (``triton_mailbox``'s byte counts). The collect's copy needs the
 row in registers, and so does the routing: here the row is loaded once and the collect's separate
-launch is gone. The routing starts on the first load of the row, before its sentinel count (a
-reduction across the block) has said whether every word had landed: in the common case, the
-publisher's kernel having finished before this one started, the count runs while the gather of the
-chosen logits is in flight, off the routing's critical path. The bias is loaded beside the control
-word, whose generation every row address depends on.
+launch is gone. The routing runs once, after the polling loop, in straight-line code: an
+earlier form routed speculatively on the first load and again on every poll inside the loop, and on
+the H200 a row polled tens of thousands of times (a never-published mailbox) now and then came out
+with wrong ids (argmax selection) or an out-of-bounds gather (groups selection), a failure of the
+compiled loop that the straight-line routing does not show (benchmarks/RESULTS.md). The bias is
+loaded beside the control word, whose generation every row address depends on.
 
 Measured (H200, CUPTI, 2026-12-03, benchmarks/RESULTS.md), K3 at B = 1 / 8 / 64 / 256: with the
 argmax selection 5.34 / 5.28 / 5.54 / 7.74 us, against 4.61 / 4.74 / 4.86 / 5.76 for the routing
@@ -132,23 +133,14 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
         bg = plgpu.load(bias_ref.at[at], mask=at < experts, other=0.0)
         return rt.ordered_keys(x, bg, at < experts, interpret)
 
-    def attempt(spins):
-        """Load the row (volatile), route it, then count its words still holding the sentinel: the
-        count comes after the routing in program order, so it waits on nothing the routing did not."""
+    def poll(spins):
+        """Load the row (volatile) and count its words still holding the sentinel."""
         logit_words = plgpu.load(logit_cells, mask=logit_ok, other=0, volatile=True)
         latent_words = plgpu.load(latent_cells, mask=latent_ok, other=0, volatile=True)
-        x = lax.bitcast_convert_type(logit_words, jnp.float32)
-        ordered = rt.ordered_keys(x, b, lane < experts, interpret)
-        if widths is None:
-            ids = rt.select_ranked(ordered, lane, slot, k)
-        else:
-            ids = rt.select_grouped(ordered, lane, slot, k, keys_at, widths)
-        # The chosen logits, gathered back from the row (unchanged until the re-arm below).
-        chosen = gather(jnp.broadcast_to(rows, (bb, slots)), ids, out_mask)
         pending = jnp.sum((logit_words == sentinel).astype(jnp.int32), axis=1) + jnp.sum(
             (latent_words == sentinel).astype(jnp.int32), axis=1
         )
-        return logit_words, latent_words, ids, chosen, jnp.sum(pending, axis=0), spins
+        return logit_words, latent_words, jnp.sum(pending, axis=0), spins
 
     def again(carry):
         *_, pending, spins = carry
@@ -159,13 +151,20 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
         # Once one program has timed out the step has failed: the others stop polling at once.
         given_up = plgpu.load(status_ref.at[pl.ds(0, 1)], volatile=True)
         limit, one = jnp.int32(spin_limit), jnp.int32(1)
-        return attempt(jnp.where(jnp.max(given_up) != 0, limit, spins + one))
+        return poll(jnp.where(jnp.max(given_up) != 0, limit, spins + one))
 
-    # Routing starts on the first load of the row; only when some of its words had not landed (a
-    # peer still writing) does the program poll again, and route again.
-    logit_words, latent_words, ids, chosen, pending, _ = lax.while_loop(
-        again, spin, attempt(jnp.int32(0))
-    )
+    # The loop only polls: the routing runs once, on the words the last poll loaded, outside it.
+    # (Routing inside the loop, on every poll, gave wrong ids now and then on the H200 when the
+    # loop ran thousands of times, and out-of-bounds gathers with the groups selection.)
+    logit_words, latent_words, pending, _ = lax.while_loop(again, spin, poll(jnp.int32(0)))
+    x = lax.bitcast_convert_type(logit_words, jnp.float32)
+    ordered = rt.ordered_keys(x, b, lane < experts, interpret)
+    if widths is None:
+        ids = rt.select_ranked(ordered, lane, slot, k)
+    else:
+        ids = rt.select_grouped(ordered, lane, slot, k, keys_at, widths)
+    # The chosen logits, gathered back from the row (unchanged until the re-arm below).
+    chosen = gather(jnp.broadcast_to(rows, (bb, slots)), ids, out_mask)
 
     @pl.when(pending > 0)
     def _():
@@ -180,7 +179,6 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
         rt.routing_weights(chosen, slot, cfg, interpret),
         mask=out_mask,
     )
-    x = lax.bitcast_convert_type(logit_words, jnp.float32)
     plgpu.store(logits_ref.at[pl.ds(first, bb), pl.ds(0, lanes)], x, mask=logit_ok)
     plgpu.store(latent_ref.at[pl.ds(first, bb), pl.ds(0, latent_lanes)], latent_words, mask=latent_ok)
     if plan_refs:
