@@ -125,8 +125,10 @@ def mailbox_collect(
     while (pending > 0) & (spins < SPIN):
         words = tl.load(cell, mask=data, other=0, volatile=True)
         pending = tl.sum((words == _SENTINEL).to(tl.int32), axis=None)
-        # Once one program has timed out the step has failed: the others stop polling at once.
-        given_up = tl.load(status, volatile=True)
+        # Once one program has timed out the step has failed: the others stop polling at once. Every
+        # thread loads the status word and the block reduces what they saw, so that all warps leave
+        # the loop at the same poll (their block barriers stay paired).
+        given_up = tl.max(tl.load(status + 0 * word, volatile=True), axis=None)
         spins = tl.where(given_up != 0, SPIN, spins + 1)
     if pending > 0:
         tl.store(status, TIMEOUT)

@@ -22,11 +22,12 @@ last published, what ``mailbox.collect`` followed by ``route.route`` does, in on
 Why one kernel: on the mailbox path at decode batch sizes each kernel costs its launch and its first
 round trip to memory, not bandwidth (``triton_mailbox``'s byte counts). The collect's copy needs the
 row in registers, and so does the routing: here the row is loaded once and the collect's separate
-launch is gone. The routing runs once, after the polling loop, in straight-line code: an
-earlier form routed speculatively on the first load and again on every poll inside the loop, and on
-the H200 a row polled tens of thousands of times (a never-published mailbox) now and then came out
-with wrong ids (argmax selection) or an out-of-bounds gather (groups selection), a failure of the
-compiled loop that the straight-line routing does not show (benchmarks/RESULTS.md). The bias is
+launch is gone. The routing runs once, on the row's last load, in straight-line code after the
+polling loop, which carries only its count of pending words. Whether to poll again is decided the
+same way by every warp of a program (block-wide reductions of the words and of the status word):
+a warp leaving the loop before another would pair its later block barriers with the other's, and
+on the H200 rows polled tens of thousands of times (a never-published mailbox) then came out with
+wrong ids or an illegal-address fault (benchmarks/RESULTS.md). The bias is
 loaded beside the control word, whose generation every row address depends on.
 
 Measured (H200, CUPTI, 2026-12-03, benchmarks/RESULTS.md), K3 at B = 1 / 8 / 64 / 256: with the
@@ -133,30 +134,43 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
         bg = plgpu.load(bias_ref.at[at], mask=at < experts, other=0.0)
         return rt.ordered_keys(x, bg, at < experts, interpret)
 
-    def poll(spins):
-        """Load the row (volatile) and count its words still holding the sentinel."""
-        logit_words = plgpu.load(logit_cells, mask=logit_ok, other=0, volatile=True)
-        latent_words = plgpu.load(latent_cells, mask=latent_ok, other=0, volatile=True)
+    def pending_words(logit_words, latent_words):
+        """Words of the block's rows still holding the sentinel (int32 scalar)."""
         pending = jnp.sum((logit_words == sentinel).astype(jnp.int32), axis=1) + jnp.sum(
             (latent_words == sentinel).astype(jnp.int32), axis=1
         )
-        return logit_words, latent_words, jnp.sum(pending, axis=0), spins
+        return jnp.sum(pending, axis=0)
 
     def again(carry):
-        *_, pending, spins = carry
+        pending, spins = carry
         return (pending > 0) & (spins < spin_limit)
 
-    def spin(carry):
-        *_, spins = carry
+    def poll(carry):
+        _, spins = carry
         # Once one program has timed out the step has failed: the others stop polling at once.
-        given_up = plgpu.load(status_ref.at[pl.ds(0, 1)], volatile=True)
+        # Every thread loads the status word and the block reduces what they saw, so that all warps
+        # take the same decision: a warp leaving the loop one poll before another would pair its
+        # later block barriers with the other's (the routing's reductions then race; seen on the
+        # H200 as wrong ids and an illegal-address fault).
+        status_cells = status_ref.at[jnp.zeros((bb, lanes), jnp.int32)]
+        given_up = jnp.max(jnp.max(plgpu.load(status_cells, volatile=True), axis=1), axis=0)
         limit, one = jnp.int32(spin_limit), jnp.int32(1)
-        return poll(jnp.where(jnp.max(given_up) != 0, limit, spins + one))
+        logit_words = plgpu.load(logit_cells, mask=logit_ok, other=0, volatile=True)
+        latent_words = plgpu.load(latent_cells, mask=latent_ok, other=0, volatile=True)
+        spins = jnp.where(given_up != 0, limit, spins + one)
+        return pending_words(logit_words, latent_words), spins
 
-    # The loop only polls: the routing runs once, on the words the last poll loaded, outside it.
-    # (Routing inside the loop, on every poll, gave wrong ids now and then on the H200 when the
-    # loop ran thousands of times, and out-of-bounds gathers with the groups selection.)
-    logit_words, latent_words, pending, _ = lax.while_loop(again, spin, poll(jnp.int32(0)))
+    # The row, loaded once; while some of its words had not landed (a peer still writing), the loop
+    # polls and counts, carrying only the count; then the row is loaded again. The routing and the
+    # copy run once, on the row's last load, in straight-line code.
+    logit_words = plgpu.load(logit_cells, mask=logit_ok, other=0, volatile=True)
+    latent_words = plgpu.load(latent_cells, mask=latent_ok, other=0, volatile=True)
+    first_pending = pending_words(logit_words, latent_words)
+    pending, _ = lax.while_loop(again, poll, (first_pending, jnp.int32(0)))
+    polled = first_pending > 0  # the load again is masked off entirely, no access, when False
+    logit_words = plgpu.load(logit_cells, mask=logit_ok & polled, other=logit_words, volatile=True)
+    latent_words = plgpu.load(latent_cells, mask=latent_ok & polled, other=latent_words,
+                              volatile=True)
     x = lax.bitcast_convert_type(logit_words, jnp.float32)
     ordered = rt.ordered_keys(x, b, lane < experts, interpret)
     if widths is None:
