@@ -27,15 +27,15 @@ polling loop, which carries only its count of pending words. Whether to poll aga
 same way by every warp of a program (block-wide reductions of the words and of the status word):
 a warp leaving the loop before another would pair its later block barriers with the other's, and
 on the H200 rows polled tens of thousands of times (a never-published mailbox) then came out with
-wrong ids or an illegal-address fault (benchmarks/RESULTS.md). The bias is
-loaded beside the control word, whose generation every row address depends on.
+wrong ids or an illegal-address fault (benchmarks/RESULTS.md). The bias is loaded beside the
+control word, whose generation every row address depends on.
 
-Measured (H200, CUPTI, 2026-12-03, benchmarks/RESULTS.md), K3 at B = 1 / 8 / 64 / 256: with the
-argmax selection 5.34 / 5.28 / 5.54 / 7.74 us, against 4.61 / 4.74 / 4.86 / 5.76 for the routing
-kernel alone and 1.28-3.42 for the collect kernel; with the groups selection 5.98 / 6.40 / 6.75 /
-10.29 us, slower than the collect and routing kernels together (its second looks at the row are
-volatile loads from L2, where the routing kernel's hit L1). ``moe_front`` therefore runs it only with
-``plan=True``, where it also replaces the plan kernel: the plan added 0.0-0.5 us at B <= 64 there.
+Measured (H200, CUPTI, 2026-12-03, benchmarks/RESULTS.md, fourth session), K3 with the groups
+selection at B = 1 / 8 / 64 / 256: 5.70 / 5.63 / 5.95 / 10.85 us, against 1.28-3.52 us for the
+collect kernel plus 3.55-4.54 for the routing kernel: 0.4-0.9 us slower than the two at B <= 64 (its
+loads of the row, second looks included, are volatile, served by L2, where the routing kernel's hit
+L1). ``moe_front`` therefore runs it only with ``plan=True``, where it also replaces the plan kernel:
+the plan adds 0.1-0.4 us to it.
 
 Protocol. The same as ``triton_mailbox.mailbox_collect``'s (``mailbox``'s docstring has the layout,
 the generations and why the immediate re-arm is safe): a program owns its rows, reads generation
@@ -71,10 +71,9 @@ from moe_front_jax.pallas import plan
 from moe_front_jax.pallas import route as rt
 
 SPIN_LIMIT = 1 << 15
-"""Polls of a row before the kernel reports ``TIMEOUT``. Each poll here also routes the row, so a
-poll takes longer than the collect kernel's: at ``1 << 17`` polls a never-published mailbox returned
-its timeout after 0.62-0.79 s on the H200 (collect: 0.06-0.09 s); a quarter of that is still over
-0.1 s of waiting for a late peer."""
+"""Polls of a row before the kernel reports ``TIMEOUT``: on the H200 a never-published mailbox
+returned after 19 ms (B = 1) and 44-52 ms (B = 256), the collect kernel's timeout (42-289 ms at its
+``1 << 16``) being the bound to stay under."""
 
 
 def route_collect_bytes(batch: int, cfg, with_plan: bool = False) -> int:
