@@ -401,14 +401,15 @@ def k3_params():
 
 
 @pytest.mark.gpu
-def test_gpu_mailbox_output_equals_direct_over_steps(k3_params):
+@pytest.mark.parametrize("plan", [False, True])
+def test_gpu_mailbox_output_equals_direct_over_steps(k3_params, plan):
     step = jax.jit(mf.moe_front, static_argnames="plan", donate_argnames="mailbox")
     direct = jax.jit(mf.moe_front, static_argnames="plan")
     box = mf.Mailbox.create(mf.KIMI_K3, capacity=256)
     for t, batch in enumerate([1, 8, 64, 256, 3, 256]):
         x = rows_of(mf.KIMI_K3, batch, seed=t)
-        want = direct(x, k3_params, plan=True)
-        got, box = step(x, k3_params, plan=True, mailbox=box)
+        want = direct(x, k3_params, plan=plan)
+        got, box = step(x, k3_params, plan=plan, mailbox=box)
         assert int(got.status) == 0
         assert_bits_equal(got.ids, want.ids)
         assert_bits_equal(got.weights, want.weights)
