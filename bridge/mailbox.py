@@ -503,12 +503,14 @@ def exchange_route(
     """``exchange``, then the routing step of SPEC section 4 over the collected logits (and, with
     ``plan``, the MXFP8 plan of the collected latent, SPEC section 5).
 
-    Where ``backend`` runs the routing kernel (``"pallas"``, ``"interpret"``, ``"auto"`` on a GPU),
-    the routing kernel polls the mailbox itself and, with ``plan``, writes the plan from the words it
-    collects (``pallas/route_collect.py``: collect, route and plan in one launch, the plan in the
-    pass that writes the latent). Otherwise (the XLA routing, or a plan block ``route_collect``
-    does not fuse) ``exchange`` (the collect kernel), the routing and the plan stages run one after
-    the other. The outputs are the same bits either way.
+    With ``plan``, where ``backend`` runs the routing kernel (``"pallas"``, ``"interpret"``,
+    ``"auto"`` on a GPU), the routing kernel polls the mailbox itself and writes the plan from the
+    words it collects (``pallas/route_collect.py``: collect, route and plan in one launch, the plan
+    in the pass that writes the latent). Otherwise ``exchange`` (the collect kernel), the routing and
+    the plan stages run one after the other: on the H200, with the groups selection, the separate
+    collect and routing kernels measured 1.1-1.6 us faster than ``route_collect`` at B <= 64, whose
+    routing re-reads the row from L2 rather than L1 (benchmarks/RESULTS.md). The outputs are the
+    same bits either way.
 
     Args:
       mailbox, logits, latent_shard, axis_name, backend, transport: as for ``exchange``.
@@ -527,7 +529,7 @@ def exchange_route(
 
     cfg = mailbox_config(mailbox)
     route = backends.stage("route", backend)
-    fused = route is not backends.REFERENCE["route"] and (not plan or route_collect.fuses_plan(cfg))
+    fused = plan and route is not backends.REFERENCE["route"] and route_collect.fuses_plan(cfg)
     if not fused:
         logits, latent, status, mailbox = exchange(
             mailbox, logits, latent_shard, axis_name=axis_name, backend=backend, transport=transport
@@ -539,7 +541,6 @@ def exchange_route(
     mailbox, status = _publish_all(mailbox, logits, latent_shard, axis_name, backend, transport)
     if status is None:
         status = jnp.zeros((), jnp.int32)
-    ids, weights, logits, latent, *planned, status, mailbox = route_collect.route_collect(
-        mailbox, status, bias, batch, with_plan=plan, interpret=backend == "interpret"
+    return route_collect.route_collect(
+        mailbox, status, bias, batch, with_plan=True, interpret=backend == "interpret"
     )
-    return ids, weights, logits, latent, (planned[0] if plan else None), status, mailbox

@@ -120,13 +120,10 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
     out_mask = row_ok & (slot < k)
 
     def gather(at_rows, at, ok):
-        """The row's logit words at experts ``at``. Through L1 when the first load saw the whole row
-        (the lines it cached hold the row's final words); volatile when the row was polled (a line
-        the first load cached may hold a sentinel since overwritten). Both loads are issued, each
-        masked off entirely where the other is taken."""
-        cells = buffer_ref.at[generation, at_rows, words + at]
-        cached = plgpu.load(cells, mask=ok & jnp.logical_not(polled), other=0)
-        return plgpu.load(cells, mask=ok & polled, other=cached, volatile=True)
+        """The row's logit words at experts ``at`` (volatile too: a line an earlier poll cached in
+        L1 may be stale)."""
+        return plgpu.load(buffer_ref.at[generation, at_rows, words + at], mask=ok, other=0,
+                          volatile=True)
 
     def keys_at(at):
         """Keys of experts ``at`` ``[bb, a, b]``, loaded again: the bits ``ordered_keys`` gave them."""
@@ -162,12 +159,11 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
         spins = jnp.where(given_up != 0, limit, spins + one)
         return pending_words(logit_words, latent_words), spins
 
-    # The row, loaded once, through L1 (no load of this kernel has cached it before; L1 starts a
-    # kernel empty of it); while some of its words had not landed (a peer still writing), the loop
-    # polls (volatile) and counts, carrying only the count; then the row is loaded again, volatile.
-    # The routing and the copy run once, on the row's last load, in straight-line code.
-    logit_words = plgpu.load(logit_cells, mask=logit_ok, other=0)
-    latent_words = plgpu.load(latent_cells, mask=latent_ok, other=0)
+    # The row, loaded once; while some of its words had not landed (a peer still writing), the loop
+    # polls and counts, carrying only the count; then the row is loaded again. The routing and the
+    # copy run once, on the row's last load, in straight-line code.
+    logit_words = plgpu.load(logit_cells, mask=logit_ok, other=0, volatile=True)
+    latent_words = plgpu.load(latent_cells, mask=latent_ok, other=0, volatile=True)
     first_pending = pending_words(logit_words, latent_words)
     pending, _ = lax.while_loop(again, poll, (first_pending, jnp.int32(0)))
     polled = first_pending > 0  # the load again is masked off entirely, no access, when False
