@@ -41,7 +41,8 @@ SPIN_LIMIT = 1 << 16
 """Polls of a chunk block before the collect gives up and reports ``TIMEOUT``. On the H200 at
 ``1 << 17`` a never-published collect returned after 54-93 ms (B = 1 to 256) while a poll read the
 status word in one thread, and after 84 ms (B = 1) and 588 ms (B = 256) once the whole block
-reduced it (every warp deciding alike): half the polls keep that under the 1 s bound with room."""
+reduced it (every warp deciding alike); at ``1 << 16``, 42 ms and 289 ms, well under the 1 s bound
+(benchmarks/RESULTS.md, fourth session)."""
 
 _SENTINEL = tl.constexpr(mb.SENTINEL)
 
