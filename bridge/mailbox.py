@@ -508,9 +508,8 @@ def exchange_route(
     words it collects (``pallas/route_collect.py``: collect, route and plan in one launch, the plan
     in the pass that writes the latent). Otherwise ``exchange`` (the collect kernel), the routing and
     the plan stages run one after the other: on the H200, with the groups selection, the separate
-    collect and routing kernels measured 1.1-1.6 us faster than ``route_collect`` at B <= 64, whose
-    routing re-reads the row from L2 rather than L1 (benchmarks/RESULTS.md). The outputs are the
-    same bits either way.
+    collect and routing kernels measured 0.4-0.9 us faster than ``route_collect`` at B <= 64
+    (benchmarks/RESULTS.md, fourth session). The outputs are the same bits either way.
 
     Args:
       mailbox, logits, latent_shard, axis_name, backend, transport: as for ``exchange``.

@@ -32,10 +32,10 @@ control word, whose generation every row address depends on.
 
 Measured (H200, CUPTI, 2026-12-03, benchmarks/RESULTS.md, fourth session), K3 with the groups
 selection at B = 1 / 8 / 64 / 256: 5.70 / 5.63 / 5.95 / 10.85 us, against 1.28-3.52 us for the
-collect kernel plus 3.55-4.54 for the routing kernel: 0.4-0.9 us slower than the two at B <= 64 (its
-loads of the row, second looks included, are volatile, served by L2, where the routing kernel's hit
-L1). ``moe_front`` therefore runs it only with ``plan=True``, where it also replaces the plan kernel:
-the plan adds 0.1-0.4 us to it.
+collect kernel plus 3.55-4.54 for the routing kernel: 0.4-0.9 us slower than the two at B <= 64. A
+form that loaded the row and its second looks through L1 was no faster (5.73-6.24 us), so the
+volatile loads are not the cost. ``moe_front`` therefore runs it only with ``plan=True``, where it
+also replaces the plan kernel: the plan adds 0.1-0.4 us to it.
 
 Protocol. The same as ``triton_mailbox.mailbox_collect``'s (``mailbox``'s docstring has the layout,
 the generations and why the immediate re-arm is safe): a program owns its rows, reads generation
