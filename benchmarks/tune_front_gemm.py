@@ -44,7 +44,8 @@ def candidates(shape: Shape, bp: int, cores: int = 132) -> list[fg.FrontGemmConf
     or 256 (64 too for the small shards, for finer splits; 64 or 128 at large batches, whose x tile
     is wide), and 512 or 1024 up to a batch tile of 64 (1-2 KB of each weight row per step, fewer
     DRAM pages open at once); the deepest pipeline that fits the shared memory; 4 warps for small
-    tiles, 8 for large.
+    tiles, 8 for large. Up to a batch tile of 64, with 128 or 256 K steps, stream-K too
+    (``FrontGemmConfig.programs``) over one, two and three programs per SM.
     """
     out = []
     few_rows = shape.valid + shape.shard < 2 * cores * 16  # tp >= 2: split K finely
@@ -68,6 +69,11 @@ def candidates(shape: Shape, bp: int, cores: int = 132) -> list[fg.FrontGemmConf
                 depth = min(deepest, shape.hidden // (s * bk))
                 if depth >= 2:
                     out.append(fg.FrontGemmConfig(bn, bk, s, warps, depth))
+            if bp <= 64 and bn <= 64 and bk in (128, 256):
+                # Stream-K: every program an equal run of the tiles' K steps (no tail of
+                # programs on some SMs only), one to three per SM.
+                for programs in (cores, 2 * cores, 3 * cores):
+                    out.append(fg.FrontGemmConfig(bn, bk, 1, warps, max(2, deepest), programs))
     return out
 
 
@@ -244,8 +250,17 @@ def main() -> None:
         print(f"{tp:>3} {bp:>4} {row['us']:>10.2f} {row['tbs']:>6.2f} {x_us:>8.2f} "
               f"{x_us / row['us']:>6.2f} {p['us'] if p else float('nan'):>8.2f}  "
               f"bn{c['block_rows']} bk{c['block_k']} s{c['split_k']} w{c['num_warps']} "
-              f"st{c['num_stages']} | bn{pc.get('block_rows')} bk{pc.get('block_k')} "
-              f"s{pc.get('split_k')} w{pc.get('num_warps')} st{pc.get('num_stages')}")
+              f"st{c['num_stages']} p{c['programs']} | bn{pc.get('block_rows')} "
+              f"bk{pc.get('block_k')} s{pc.get('split_k')} w{pc.get('num_warps')} "
+              f"st{pc.get('num_stages')} p{pc.get('programs')}")
+    # The fastest stream-K schedule of each key beside the fastest of the grid (p0).
+    for (tp, bp) in sorted(best):
+        timed = [r for r in results if r["tp"] == tp and r["batch"] == bp and "us" in r]
+        streamed = [r for r in timed if r["config"]["programs"]]
+        grid = [r for r in timed if not r["config"]["programs"]]
+        if streamed and grid:
+            r, g = (min(rows, key=lambda r: r["us"]) for rows in (streamed, grid))
+            print(f"  tp{tp} B{bp}: stream-K {r['us']:.2f} us ({r['config']}), grid {g['us']:.2f}")
     failed = sum("error" in r for r in results + plan_results)
     print(f"{len(results) + len(plan_results)} variants, {failed} failed or skipped, "
           f"{time.time() - start:.0f} s")

@@ -28,6 +28,14 @@ is the partials' round trip through L2 (``2 * 4 * B * n * split_k`` bytes when s
 int32 counter per tile, which XLA writes with a small broadcast kernel before the GEMM (a fresh
 buffer per call: JAX has no persistent scratch to keep self-resetting counters in).
 
+Stream-K (``FrontGemmConfig(programs=P)``): the ``tiles x steps`` iterations (one ``block_k`` step
+of one tile) are cut into ``P`` equal runs, one per program, so every program streams the same number
+of weight bytes whatever the tile count, where the grid of ``split_k x tiles`` programs leaves some
+SMs a program more than others at its end. A run covers parts of one or more tiles; each part's
+float32 partial goes to a workspace slot ``[program, segment]`` and takes a ticket from its tile's
+counter, and the tile's last contributor sums its contributors' partials in program order and runs
+the same epilogue. Partials: ``4 * block_rows * B_tile`` bytes written and read back per segment.
+
 Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working). The kernel needs exactly what
 Triton does well: a K loop whose loads the software pipeliner turns into ``num_stages`` asynchronous
 copies, small-M tensor-core dots, masks, and global atomics. Mosaic GPU (``plgpu.kernel``) would need
@@ -75,9 +83,26 @@ TABLE_FILES = {"NVIDIA H200": "h200_front_gemm.json"}
 """Tuning table per device kind, under ``pallas/tuning/``."""
 
 
+@dataclasses.dataclass(frozen=True)
 class FrontGemmConfig(GemmConfig):
     """Block shapes and schedule of the front GEMM (``streaming.GemmConfig``); ``block_rows`` is at
-    least the plan block when the plan is written (the kernel widens narrower tiles)."""
+    least the plan block when the plan is written (the kernel widens narrower tiles).
+
+    ``programs``: 0 for the grid of ``split_k x tiles`` programs; ``P > 0`` for stream-K: ``P``
+    programs, each over an equal run of the ``tiles x K steps`` iterations (``split_k`` must be 1).
+    """
+
+    programs: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.programs, int) or self.programs < 0:
+            raise ValueError(f"FrontGemmConfig.programs must be an int >= 0, got {self.programs!r}")
+        if self.programs and self.split_k != 1:
+            raise ValueError(
+                f"stream-K (programs={self.programs}) splits K itself: split_k must be 1, got "
+                f"{self.split_k}"
+            )
 
 
 def table_key(valid: int, shard: int, hidden: int, batch: int) -> str:
@@ -166,17 +191,10 @@ class Geometry:
         return self.hidden // self.config.split_k
 
 
-def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
-    g, cfg = geometry, geometry.config
-    split_k, plan = cfg.split_k, g.block is not None
-    if split_k > 1:
-        refs = refs[1:]  # the counters' input ref; its aliased output ref comes last
-    logits_ref, latent_ref, *refs = refs
-    values_ref, scales_ref = (refs.pop(0), refs.pop(0)) if plan else (None, None)
-    partials_ref, counters_ref = refs if split_k > 1 else (None, None)
-    bn, bp, bk = cfg.block_rows, g.batch_tile, cfg.block_k
-    part, tile = pl.program_id(0), pl.program_id(1)
-
+def _tile_rows(g: Geometry, tile):
+    """Tile ``tile``'s first packed row, whether it is a latent tile, and its rows' mask
+    ``[block_rows, 1]`` (rows past its region off)."""
+    bn = g.config.block_rows
     is_latent = tile >= g.router_tiles
     latent_tile = is_latent.astype(jnp.int32)
     # Latent tiles restart at ``split``; arithmetic rather than a scalar select, which the Triton
@@ -184,15 +202,20 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     first_row = tile * bn + latent_tile * (g.split - g.router_tiles * bn)
     end_row = g.valid + latent_tile * (g.rows - g.valid)
     row_ok = (first_row + lax.broadcasted_iota(jnp.int32, (bn, 1), 0)) < end_row
-    batch_ok = lax.broadcasted_iota(jnp.int32, (bp, 1), 0) < g.batch
+    return first_row, is_latent, row_ok
+
+
+def _accumulate(x_ref, w_ref, g: Geometry, first_row, row_ok, batch_ok, step_lo, step_hi):
+    """``[block_rows, batch_tile]`` float32: the tile's rows times ``x`` over K steps
+    ``[step_lo, step_hi)``, in ``block_k`` steps that Triton's pipeliner keeps in flight."""
+    bn, bp, bk = g.config.block_rows, g.batch_tile, g.config.block_k
     # Masks only where a tile can run past its region or the batch past B: an unmasked load is
     # plain 16-byte vectors with no predicate.
     rows_mask = row_ok if g.valid % bn or g.shard % bn else None
     batch_mask = batch_ok if g.batch < bp else None
-    k_first = part * g.k_chunk
 
     def step(i, acc):
-        k = pl.multiple_of(k_first + i * bk, bk)
+        k = pl.multiple_of((step_lo + i) * bk, bk)
         # The weight is read once per call: first out of L2, so x and the partials stay.
         w = masked_load(w_ref.at[pl.ds(first_row, bn), pl.ds(k, bk)], rows_mask, "evict_first")
         xs = masked_load(x_ref.at[pl.ds(0, bp), pl.ds(k, bk)], batch_mask)
@@ -200,35 +223,120 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
             w, xs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
 
-    acc = lax.fori_loop(0, g.k_chunk // bk, step, jnp.zeros((bn, bp), jnp.float32))
+    # A trip count, not bounds: the grid kernel's is static (a static bound for the pipeliner).
+    return lax.fori_loop(0, step_hi - step_lo, step, jnp.zeros((bn, bp), jnp.float32))
 
-    def epilogue(y):  # y: [block_rows, batch_tile] float32, the finished tile
-        out_ok = row_ok.T & batch_ok  # [batch_tile, block_rows]
 
-        @pl.when(jnp.logical_not(is_latent))
-        def _():
-            plgpu.store(logits_ref.at[pl.ds(0, bp), pl.ds(first_row, bn)], y.T, mask=out_ok)
+def _store_tile(y, g: Geometry, first_row, is_latent, row_ok, batch_ok, logits_ref, latent_ref,
+                values_ref, scales_ref):
+    """The finished tile ``y`` ``[block_rows, batch_tile]`` float32 to the logits, or to the latent
+    (bfloat16) and, with the plan, its MXFP8 values and scales."""
+    bn, bp = g.config.block_rows, g.batch_tile
+    out_ok = row_ok.T & batch_ok  # [batch_tile, block_rows]
 
-        @pl.when(is_latent)
-        def _():
-            column = first_row - g.split
-            latent = y.T.astype(jnp.bfloat16)  # [batch_tile, block_rows], as stored
-            plgpu.store(latent_ref.at[pl.ds(0, bp), pl.ds(column, bn)], latent, mask=out_ok)
-            if plan:
-                _plan_epilogue(latent, column, out_ok)
+    @pl.when(jnp.logical_not(is_latent))
+    def _():
+        plgpu.store(logits_ref.at[pl.ds(0, bp), pl.ds(first_row, bn)], y.T, mask=out_ok)
 
-    def _plan_epilogue(latent, column, out_ok):
-        nb = bn // g.block
-        values, scales = quantize_tile(latent, g.block)  # [batch_tile, bn], [batch_tile, nb]
-        plgpu.store(values_ref.at[pl.ds(0, bp), pl.ds(column, bn)], values, mask=out_ok)
-        blocks_left = (g.shard - column) // g.block
-        block_ok = batch_ok & (lax.broadcasted_iota(jnp.int32, (1, nb), 1) < blocks_left)
-        plgpu.store(scales_ref.at[pl.ds(0, bp), pl.ds(column // g.block, nb)], scales, mask=block_ok)
+    @pl.when(is_latent)
+    def _():
+        column = first_row - g.split
+        latent = y.T.astype(jnp.bfloat16)  # [batch_tile, block_rows], as stored
+        plgpu.store(latent_ref.at[pl.ds(0, bp), pl.ds(column, bn)], latent, mask=out_ok)
+        if g.block is not None:
+            nb = bn // g.block
+            values, scales = quantize_tile(latent, g.block)  # [batch_tile, bn], [batch_tile, nb]
+            plgpu.store(values_ref.at[pl.ds(0, bp), pl.ds(column, bn)], values, mask=out_ok)
+            blocks_left = (g.shard - column) // g.block
+            block_ok = batch_ok & (lax.broadcasted_iota(jnp.int32, (1, nb), 1) < blocks_left)
+            plgpu.store(scales_ref.at[pl.ds(0, bp), pl.ds(column // g.block, nb)], scales,
+                        mask=block_ok)
 
+
+def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
+    """One program of the ``split_k x tiles`` grid: chunk ``part`` of K of tile ``tile``."""
+    g, cfg = geometry, geometry.config
+    split_k, plan = cfg.split_k, g.block is not None
+    if split_k > 1:
+        refs = refs[1:]  # the counters' input ref; its aliased output ref comes last
+    logits_ref, latent_ref, *refs = refs
+    values_ref, scales_ref = (refs.pop(0), refs.pop(0)) if plan else (None, None)
+    partials_ref, counters_ref = refs if split_k > 1 else (None, None)
+    part, tile = pl.program_id(0), pl.program_id(1)
+    first_row, is_latent, row_ok = _tile_rows(g, tile)
+    batch_ok = lax.broadcasted_iota(jnp.int32, (g.batch_tile, 1), 0) < g.batch
+    steps = g.k_chunk // cfg.block_k
+    acc = _accumulate(x_ref, w_ref, g, first_row, row_ok, batch_ok, part * steps, part * steps + steps)
     finish_split_k(
         [acc], partials_ref, counters_ref, split_k=split_k, part=part, tile=tile,
-        mask=batch_ok.T, interpret=interpret, epilogue=epilogue,
+        mask=batch_ok.T, interpret=interpret,
+        epilogue=lambda y: _store_tile(y, g, first_row, is_latent, row_ok, batch_ok, logits_ref,
+                                       latent_ref, values_ref, scales_ref),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamK:
+    """The stream-K partition of a call: iteration ``i`` is K step ``i % steps`` of tile
+    ``i // steps``; program ``p`` runs iterations ``[p * share, min((p + 1) * share, total))``, which
+    touch at most ``segments`` tiles."""
+
+    tiles: int
+    steps: int
+    programs: int
+
+    @property
+    def share(self) -> int:
+        return -(-self.tiles * self.steps // self.programs)
+
+    @property
+    def segments(self) -> int:
+        return self.share // self.steps + 2
+
+
+def _stream_k_kernel(x_ref, w_ref, counters_in, *refs, geometry: Geometry, interpret: bool):
+    """One stream-K program: its run of iterations, tile by tile. Each tile segment's float32
+    partial goes to the workspace (slot ``[program, segment]``) and takes a ticket from the tile's
+    counter; the tile's last contributor to arrive sums the contributors' partials in program order
+    (so results do not depend on arrival order) and stores the tile."""
+    del counters_in  # aliased to the counters output, the last of ``refs``
+    g, cfg = geometry, geometry.config
+    logits_ref, latent_ref, *refs = refs
+    values_ref, scales_ref = (refs.pop(0), refs.pop(0)) if g.block is not None else (None, None)
+    partials_ref, counters_ref = refs
+    sk = StreamK(g.tiles, g.hidden // cfg.block_k, cfg.programs)
+    steps, share = sk.steps, sk.share
+    program = pl.program_id(0)
+    start = program * share
+    end = jnp.minimum(start + share, g.tiles * steps)
+    batch_ok = lax.broadcasted_iota(jnp.int32, (g.batch_tile, 1), 0) < g.batch
+    for segment in range(sk.segments):
+        tile = start // steps + segment
+        lo = jnp.maximum(start, tile * steps) - tile * steps
+        hi = jnp.minimum(end, (tile + 1) * steps) - tile * steps
+
+        @pl.when((lo < hi) & (tile < g.tiles))
+        def _():
+            first_row, is_latent, row_ok = _tile_rows(g, tile)
+            acc = _accumulate(x_ref, w_ref, g, first_row, row_ok, batch_ok, lo, hi)
+            plgpu.store(partials_ref.at[program, jnp.int32(segment)], acc, mask=batch_ok.T)
+            if not interpret:  # the partial's stores happen before the ticket's release
+                plgpu.debug_barrier()
+            ticket = plgpu.atomic_add(counters_ref, tile, jnp.int32(1))
+            first_program = tile * steps // share
+            last_program = ((tile + 1) * steps - 1) // share
+
+            @pl.when(ticket == last_program - first_program)
+            def _():
+                def add(other, total):
+                    slot = tile - other * share // steps  # the other program's segment here
+                    return total + plgpu.load(partials_ref.at[other, slot], mask=batch_ok.T,
+                                              other=0.0)
+
+                zeros = jnp.zeros(acc.shape, jnp.float32)
+                y = lax.fori_loop(first_program, last_program + 1, add, zeros)
+                _store_tile(y, g, first_row, is_latent, row_ok, batch_ok, logits_ref, latent_ref,
+                            values_ref, scales_ref)
 
 
 def _check(x, packed, split, valid, block) -> None:
@@ -294,15 +402,28 @@ def _call(x, packed, split, valid, block, interpret, config):
             jax.ShapeDtypeStruct((batch, g.shard // block), jnp.uint8),
         ]
     args, aliases = [x, packed], {}
-    workspace, counters = split_k_workspace(config, g.tiles, 1, g.batch_tile)
-    if counters:
-        out_shape += workspace
-        args += counters
+    if config.programs:
+        sk = StreamK(g.tiles, hidden // config.block_k, config.programs)
+        out_shape += [
+            jax.ShapeDtypeStruct(
+                (config.programs, sk.segments, config.block_rows, g.batch_tile), jnp.float32
+            ),
+            jax.ShapeDtypeStruct((g.tiles,), jnp.int32),
+        ]
+        args.append(jnp.zeros((g.tiles,), jnp.int32))
         aliases = {2: len(out_shape) - 1}
+        kernel, grid = _stream_k_kernel, (config.programs,)
+    else:
+        workspace, counters = split_k_workspace(config, g.tiles, 1, g.batch_tile)
+        if counters:
+            out_shape += workspace
+            args += counters
+            aliases = {2: len(out_shape) - 1}
+        kernel, grid = _kernel, (config.split_k, g.tiles)
     outs = pl.pallas_call(
-        functools.partial(_kernel, geometry=g, interpret=interpret),
+        functools.partial(kernel, geometry=g, interpret=interpret),
         out_shape=out_shape,
-        grid=(config.split_k, g.tiles),
+        grid=grid,
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(

@@ -68,6 +68,13 @@ INTERPRET_CASES = [
     (8, 255, None, Cfg(128, 128, 1, 8, 3), True),
     (8, 7, 120, Cfg(32, 64, 4, 4, 3), True),
     (16, 16, None, Cfg(64, 32, 8, 4, 3), True),
+    # Stream-K: runs of iterations shorter than a tile (several contributors a tile, the last one's
+    # run cut short), longer than a tile (one program over several tiles, router and latent), and
+    # more programs than iterations (the trailing programs have none).
+    (1, 1, None, Cfg(32, 64, 1, 4, 3, programs=132), False),
+    (2, 37, None, Cfg(64, 64, 1, 4, 3, programs=7), True),
+    (8, 3, 120, Cfg(32, 32, 1, 4, 3, programs=29), True),
+    (8, 16, None, Cfg(128, 128, 1, 8, 3, programs=64), True),
 ]
 
 
@@ -144,15 +151,21 @@ def test_moe_front_takes_the_plan_from_the_gemm_epilogue(monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("programs", [0, 264])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
-def test_lowers_for_h200_as_one_kernel(tp):
-    """One Triton kernel per call (plus, when K is split, a zeroed counter), no cast or slice ops."""
+def test_lowers_for_h200_as_one_kernel(tp, programs):
+    """One Triton kernel per call (plus, when K is split, a zeroed counter), no cast or slice ops;
+    the tuned grid, and stream-K over 264 programs."""
     valid, split, shard = k3_shape(tp)
     w = jnp.zeros((split + shard, K3.hidden), jnp.bfloat16)
     for batch in (1, 64, 256):
         x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
+        config = None
+        if programs:
+            bn = 32 if batch <= 64 else 64
+            config = Cfg(bn, 128 if batch <= 64 else 64, 1, 4, 3, programs=programs)
         for fn in (fg.front_gemm, fg.front_gemm_plan):
-            text = lower_for_h200(lambda x, w: fn(x, w, split, valid), x, w)
+            text = lower_for_h200(lambda x, w: fn(x, w, split, valid, config=config), x, w)
             assert text.count("__gpu$xla.gpu.triton") == 1
             for op in ("stablehlo.convert", "stablehlo.slice", "stablehlo.dot_general"):
                 assert op not in text, (tp, batch, fn.__name__, op)
@@ -192,6 +205,15 @@ def test_heuristic_config_divides_the_problem(hidden, batch):
         if hidden == 7168:  # room to split: every SM gets a program
             assert tiles * cfg.split_k >= 132
     assert fg.pick_config(112, 448, 256, 3) == fg.heuristic_config(112, 448, 256, 3, 132)
+
+
+def test_stream_k_config_errors():
+    with pytest.raises(ValueError, match="split_k must be 1"):
+        Cfg(32, 64, 2, 4, 3, programs=132)
+    with pytest.raises(ValueError, match="programs must be an int >= 0"):
+        Cfg(32, 64, 1, 4, 3, programs=-1)
+    assert Cfg(**{"block_rows": 32, "block_k": 64, "split_k": 1, "num_warps": 4, "num_stages": 3,
+                  "programs": 132}).programs == 132
 
 
 def test_errors():
@@ -237,18 +259,22 @@ def ulp_bf16(v):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stream_k", [False, True])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-def test_gpu_matches_float64(tp):
+def test_gpu_matches_float64(tp, stream_k):
     """Logits within 1e-5 and the latent within one bfloat16 ulp of a float64 product, relative to
     each value's magnitude measured at least at its row's RMS (fp32 accumulation cannot give entries
     near zero a relative bound); on small-integer data the outputs are exact. The plan from the
-    epilogue is bit-equal to the reference's plan of the same latent, computed on the GPU."""
+    epilogue is bit-equal to the reference's plan of the same latent, computed on the GPU. The
+    tuned schedule, or stream-K over 264 programs."""
     cfg = K3.with_tp(tp)
     params = mf.pack_params(k3_weights(), cfg)
     valid, split = cfg.experts_per_rank, params.split
     for batch in (1, 7, 64, 256):
         x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
-        gemm = jax.jit(lambda x, w: fg.front_gemm(x, w, split, valid))
+        config = Cfg(32 if batch <= 64 else 64, 128 if batch <= 64 else 64, 1, 4, 4,
+                     programs=264) if stream_k else None
+        gemm = jax.jit(lambda x, w: fg.front_gemm(x, w, split, valid, config=config))
         logits, latent = gemm(x, params.packed)
         y = exact_product(x, params.packed)
         rms = np.sqrt((y**2).mean(axis=1, keepdims=True))
@@ -266,7 +292,7 @@ def test_gpu_matches_float64(tp):
             ye[:, split:].astype(ml_dtypes.bfloat16).view(np.uint16),
         )
 
-        planned = jax.jit(lambda x, w: fg.front_gemm_plan(x, w, split, valid))
+        planned = jax.jit(lambda x, w: fg.front_gemm_plan(x, w, split, valid, config=config))
         for data in ((x, params.packed), (xe, we)):
             _, latent, plan = planned(*data)
             want = jax.jit(reference.mxfp8_plan)(latent)
