@@ -73,6 +73,27 @@ def packed_weights(shape: Shape, seed: int = 0) -> list[jax.Array]:
     return [one(k) for k in jax.random.split(key, copies)]
 
 
+LOGITS_RTOL = 1e-5
+"""The logits' bound against a float64 product (issue 4), relative to ``max(|y|, the row's RMS)``;
+the latent's is one bfloat16 ulp at that magnitude. The GPU test holds the kernel to the same."""
+
+
+def float64_product(x: jax.Array, w: jax.Array) -> np.ndarray:
+    return np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+
+
+def contract_errors(logits, latent, y: np.ndarray, split: int) -> tuple[float, float]:
+    """(logits, latent) errors against the float64 product ``y`` ``[B, rows]``, in units of their
+    bounds: the largest ``|err| / (LOGITS_RTOL * mag)`` and ``|err| / ulp_bf16(mag)``, with ``mag =
+    max(|y|, the row's RMS)``; both at most 1 within the contract."""
+    mag = np.maximum(np.abs(y), np.sqrt((y**2).mean(axis=1, keepdims=True)))
+    valid = logits.shape[1]
+    err_l = np.abs(np.asarray(logits, np.float64) - y[:, :valid]) / (LOGITS_RTOL * mag[:, :valid])
+    ulp = np.exp2(np.floor(np.log2(np.maximum(mag[:, split:], 2.0**-126))) - 7)
+    err_t = np.abs(np.asarray(latent.astype(jnp.float32), np.float64) - y[:, split:]) / ulp
+    return float(err_l.max()), float(err_t.max())
+
+
 def decode_rows(batch: int, hidden: int, seed: int = 1) -> jax.Array:
     return jax.random.normal(jax.random.key(seed), (batch, hidden), jnp.float32).astype(jnp.bfloat16)
 

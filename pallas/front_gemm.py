@@ -205,26 +205,54 @@ def _tile_rows(g: Geometry, tile):
     return first_row, is_latent, row_ok
 
 
-def _accumulate(x_ref, w_ref, g: Geometry, first_row, row_ok, batch_ok, step_lo, step_hi):
+FOLD_K = 2048
+"""A chain of dots longer than ``FOLD_K`` of K is folded into a second float32 sum every ``FOLD_K``
+(at the same K positions whatever the partition). The H200's chained tensor-core accumulation loses
+precision in proportion to the chain's length: on K3's shapes a chain over all 7168 of K left logits
+1.8-2.4x the contract's 1e-5 off a float64 product, one of 3584 1.0-1.05x, one of 1792 within it
+(tune_front_gemm, 2026-12-03). Shorter chains are not folded: the fold costs registers and the
+dots' asynchronous chaining (at tp1, B=128, a grid schedule with chains of 1792 took 51.5 us folded
+every 1024, where the table's run of 2026-12-02 timed it at 35.2 us unfolded). ``block_k`` must stay
+below ``FOLD_K``: at one step per fold the flag is constant and the fold gave no precision (block_k
+1024 at FOLD_K 1024: 1.8-2.4x the bound), presumably Triton merging the sum back into the dots'
+accumulator."""
+
+
+def _accumulate(x_ref, w_ref, g: Geometry, first_row, row_ok, batch_ok, step_lo, step_hi,
+                most_steps: int):
     """``[block_rows, batch_tile]`` float32: the tile's rows times ``x`` over K steps
-    ``[step_lo, step_hi)``, in ``block_k`` steps that Triton's pipeliner keeps in flight."""
+    ``[step_lo, step_hi)`` (at most ``most_steps`` of them), in ``block_k`` steps that Triton's
+    pipeliner keeps in flight; the dots' chain restarts every ``FOLD_K`` of K."""
     bn, bp, bk = g.config.block_rows, g.batch_tile, g.config.block_k
     # Masks only where a tile can run past its region or the batch past B: an unmasked load is
     # plain 16-byte vectors with no predicate.
     rows_mask = row_ok if g.valid % bn or g.shard % bn else None
     batch_mask = batch_ok if g.batch < bp else None
 
-    def step(i, acc):
+    fold_steps = max(1, FOLD_K // bk)
+    fold = most_steps > fold_steps
+
+    def step(i, carry):
+        total, acc = carry if fold else (None, carry)
         k = pl.multiple_of((step_lo + i) * bk, bk)
         # The weight is read once per call: first out of L2, so x and the partials stay.
         w = masked_load(w_ref.at[pl.ds(first_row, bn), pl.ds(k, bk)], rows_mask, "evict_first")
         xs = masked_load(x_ref.at[pl.ds(0, bp), pl.ds(k, bk)], batch_mask)
-        return acc + lax.dot_general(
+        acc = acc + lax.dot_general(
             w, xs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
+        if fold:
+            flush = (step_lo + i + 1) % fold_steps == 0
+            total = total + jnp.where(flush, acc, 0.0)
+            return total, jnp.where(flush, 0.0, acc)
+        return acc
 
+    zeros = jnp.zeros((bn, bp), jnp.float32)
     # A trip count, not bounds: the grid kernel's is static (a static bound for the pipeliner).
-    return lax.fori_loop(0, step_hi - step_lo, step, jnp.zeros((bn, bp), jnp.float32))
+    if not fold:
+        return lax.fori_loop(0, step_hi - step_lo, step, zeros)
+    total, acc = lax.fori_loop(0, step_hi - step_lo, step, (zeros, zeros))
+    return total + acc
 
 
 def _store_tile(y, g: Geometry, first_row, is_latent, row_ok, batch_ok, logits_ref, latent_ref,
@@ -266,7 +294,8 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     first_row, is_latent, row_ok = _tile_rows(g, tile)
     batch_ok = lax.broadcasted_iota(jnp.int32, (g.batch_tile, 1), 0) < g.batch
     steps = g.k_chunk // cfg.block_k
-    acc = _accumulate(x_ref, w_ref, g, first_row, row_ok, batch_ok, part * steps, part * steps + steps)
+    acc = _accumulate(x_ref, w_ref, g, first_row, row_ok, batch_ok, part * steps, part * steps + steps,
+                      steps)
     finish_split_k(
         [acc], partials_ref, counters_ref, split_k=split_k, part=part, tile=tile,
         mask=batch_ok.T, interpret=interpret,
@@ -318,7 +347,8 @@ def _stream_k_kernel(x_ref, w_ref, counters_in, *refs, geometry: Geometry, inter
         @pl.when((lo < hi) & (tile < g.tiles))
         def _():
             first_row, is_latent, row_ok = _tile_rows(g, tile)
-            acc = _accumulate(x_ref, w_ref, g, first_row, row_ok, batch_ok, lo, hi)
+            acc = _accumulate(x_ref, w_ref, g, first_row, row_ok, batch_ok, lo, hi,
+                              min(share, steps))
             plgpu.store(partials_ref.at[program, jnp.int32(segment)], acc, mask=batch_ok.T)
             if not interpret:  # the partial's stores happen before the ticket's release
                 plgpu.debug_barrier()
@@ -380,6 +410,9 @@ def _resolve(config, valid, shard, hidden, batch, block) -> FrontGemmConfig:
     if not isinstance(config, FrontGemmConfig):
         raise ValueError(f"config must be a FrontGemmConfig or None, got {type(config).__name__}")
     config.check_divides(hidden, "hidden")
+    if config.block_k >= FOLD_K:
+        raise ValueError(f"FrontGemmConfig.block_k must be below FOLD_K={FOLD_K} (the accumulator's "
+                         f"fold), got {config.block_k}")
     if block is not None and config.block_rows < block:
         # An MXFP8 block must lie in one tile: widen the tiles, keeping the schedule otherwise.
         config = dataclasses.replace(config, block_rows=max(block, MIN_DOT))

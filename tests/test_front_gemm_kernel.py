@@ -104,6 +104,27 @@ def test_interpret_matches_reference_exactly(tp, batch, split, config, plan):
         np.testing.assert_array_equal(plan_bytes(out[2])[0], oracle_values.view(np.uint8))
 
 
+@pytest.mark.parametrize("config", [
+    Cfg(32, 32, 1, 4, 3),  # one chain over all 8 steps
+    Cfg(32, 32, 2, 4, 3),  # chains of 4 steps
+    Cfg(32, 32, 1, 4, 3, programs=29),  # runs that start and end off the fold boundaries
+    Cfg(64, 32, 1, 4, 3, programs=7),  # runs over several tiles
+])
+def test_interpret_folded_accumulator_counts_every_step_once(monkeypatch, config):
+    """With ``FOLD_K`` cut to 3 steps of 32 (so the fold fires at K positions a run starts and ends
+    between), exact data still gives the float64 product bit for bit: no step is dropped or added
+    twice by the fold."""
+    monkeypatch.setattr(fg, "FOLD_K", 96)
+    valid, split, shard = k3_shape(8)
+    x, w = exact_operands(5, valid, split, shard, SMALL_HIDDEN, seed=4)
+    logits, latent = fg.front_gemm(x, w, split, valid, interpret=True, config=config)
+    y = exact_product(x, w)
+    np.testing.assert_array_equal(np.asarray(logits), y[:, :valid].astype(np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(latent).view(np.uint16), y[:, split:].astype(ml_dtypes.bfloat16).view(np.uint16)
+    )
+
+
 def test_interpret_plan_of_non_finite_latent():
     """inf, NaN and -0 in the latent (from inf and NaN in x): the plan still equals the reference's."""
     valid, split, shard = k3_shape(8)
@@ -259,21 +280,22 @@ def ulp_bf16(v):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stream_k", [False, True])
+@pytest.mark.parametrize("programs", [0, 132, 264])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-def test_gpu_matches_float64(tp, stream_k):
+def test_gpu_matches_float64(tp, programs):
     """Logits within 1e-5 and the latent within one bfloat16 ulp of a float64 product, relative to
     each value's magnitude measured at least at its row's RMS (fp32 accumulation cannot give entries
     near zero a relative bound); on small-integer data the outputs are exact. The plan from the
     epilogue is bit-equal to the reference's plan of the same latent, computed on the GPU. The
-    tuned schedule, or stream-K over 264 programs."""
+    tuned schedule (``programs=0``), or stream-K over 132 programs (runs as long as a whole tile)
+    or 264."""
     cfg = K3.with_tp(tp)
     params = mf.pack_params(k3_weights(), cfg)
     valid, split = cfg.experts_per_rank, params.split
     for batch in (1, 7, 64, 256):
         x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
         config = Cfg(32 if batch <= 64 else 64, 128 if batch <= 64 else 64, 1, 4, 4,
-                     programs=264) if stream_k else None
+                     programs=programs) if programs else None
         gemm = jax.jit(lambda x, w: fg.front_gemm(x, w, split, valid, config=config))
         logits, latent = gemm(x, params.packed)
         y = exact_product(x, params.packed)
