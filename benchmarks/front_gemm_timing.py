@@ -104,6 +104,13 @@ def cupti_us_per_call(fn, x, weights, rounds: int = 2) -> tuple[float, list[str]
     ``fn`` is compiled; it is called ``rounds * len(weights)`` times. Returns (microseconds, the names
     of the kernels one call launches).
     """
+    per_kernel = cupti_us_per_kernel(fn, x, weights, rounds)
+    return statistics.median(map(sum, zip(*per_kernel.values()))), list(per_kernel)
+
+
+def cupti_us_per_kernel(fn, x, weights, rounds: int = 2) -> dict[str, list[float]]:
+    """The CUPTI time of each kernel ``fn(x, w)`` launches, in launch order: name -> microseconds
+    per call, over ``rounds * len(weights)`` calls rotating ``weights``."""
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # GPU jaxlib only
 
     jax.block_until_ready(fn(x, weights[0]))
@@ -118,8 +125,11 @@ def cupti_us_per_call(fn, x, weights, rounds: int = 2) -> tuple[float, list[str]
     if not timings or len(timings) % calls:
         raise RuntimeError(f"{len(timings or [])} kernels over {calls} calls")
     per = len(timings) // calls
-    sums = [sum(t for _, t in timings[i * per:(i + 1) * per]) for i in range(calls)]
-    return statistics.median(sums) * 1e3, [name for name, _ in timings[:per]]
+    names = [name for name, _ in timings[:per]]
+    if len(set(names)) < per:  # the same kernel twice a call: number the repeats
+        names = [f"{name}#{i}" for i, name in enumerate(names)]
+    return {name: [timings[c * per + i][1] * 1e3 for c in range(calls)]
+            for i, name in enumerate(names)}
 
 
 def xla_dot(x, w):
