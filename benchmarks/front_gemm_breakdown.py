@@ -52,7 +52,7 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in row.items() if k != "calls"}), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "front_gemm_breakdown.json"), "w") as f:
-        json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f, indent=1)
+        json.dump(dict(device=jax.devices()[0].device_kind, breakdown=rows), f, indent=1)
     print(f"\n{'tp':>3} {'B':>4} {'variant':<13} {'total us':>9}  kernels (median us)")
     for r in rows:
         total = sum(r["kernels"].values())

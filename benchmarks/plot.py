@@ -26,7 +26,7 @@ the same values.
 
 Usage::
 
-  python benchmarks/plot.py results/*.json -o benchmarks/front.png [--table]
+  python benchmarks/plot.py RESULT.json [RESULT.json ...] -o benchmarks/front.png [--table]
 """
 
 from __future__ import annotations
