@@ -1,11 +1,13 @@
 """Regenerate the front GEMM's tuning table on the GPU: pallas/tuning/<device>_front_gemm.json.
 
-For every tp shape of K3 and every padded batch (16 ... 256) it compiles a pruned set of schedules
-(rows per program, K step, split-K, warps, pipeline depth, stream-K programs), checks each against
-a float64 product of the same data (issue 4's bounds, which XLA's product is checked against too),
-times the correct ones with CUPTI over weights rotated past the L2, and keeps the fastest.
+For every tp shape of K3 and every batch rounded up to a power of two (1 ... 256) it compiles a
+pruned set of schedules (rows per program, K step, split-K, warps, pipeline depth, stream-K
+programs; up to B = 8 the vector schedules too), checks each against a float64 product of the same
+data (issue 4's bounds, which XLA's product is checked against too), times the correct ones with
+CUPTI over weights rotated past the L2, and keeps the fastest.
 
   python benchmarks/tune_front_gemm.py --out $OUT [--table pallas/tuning/h200_front_gemm.json]
+  python benchmarks/tune_front_gemm.py --batches 1,2,4,8 --merge --table ...   (add keys to a table)
 
 Prints one line per (tp, batch) last; the full results go to $OUT/tune_front_gemm.json.
 """
@@ -87,6 +89,21 @@ def candidates(shape: Shape, bp: int, cores: int = 132) -> list[fg.FrontGemmConf
     return out
 
 
+def vector_candidates(shape: Shape, batch: int, cores: int = 132) -> list[fg.FrontGemmConfig]:
+    """The vector schedules worth timing for a batch of at most ``fg.VECTOR_MAX_BATCH``: 1 to 8 rows
+    per program, as long as every SM gets one; K steps of 256 to 1024 (one to four 16-byte loads a
+    thread per row); 2 or 4 warps; at most 64 accumulator registers a thread."""
+    out = []
+    for bn in (1, 2, 4, 8):
+        if -(-shape.valid // bn) + -(-shape.shard // bn) < cores:
+            continue
+        for bk in (256, 512, 1024):
+            for warps in (2, 4):
+                if batch * bn * bk <= 64 * 32 * warps:
+                    out.append(fg.FrontGemmConfig(bn, bk, 1, warps, 1, vector=True))
+    return out
+
+
 def check(got_logits, got_latent, y: np.ndarray, split: int) -> str | None:
     """None when the kernel's outputs are within the contract against the float64 product ``y``
     (``front_gemm_timing.contract_errors``), else by how much they are not."""
@@ -120,8 +137,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--table", default=None, help="write the table here")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the --table file's entries for the keys this run does not tune")
     parser.add_argument("--tps", default="1,2,4,8")
-    parser.add_argument("--batches", default="16,32,64,128,256")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     parser.add_argument("--refine", default=None,
                         help="an earlier run's tune_front_gemm.json: time its best schedules per key "
                              "and their neighbours (and the plan over its four best) instead "
@@ -139,7 +158,9 @@ def main() -> None:
     previous = json.load(open(args.refine))["results"] if args.refine else None
     per_key = [
         [(tp, bp, cfg) for cfg in (neighbours(ranked(previous, tp, bp), bp) if previous
-                                   else candidates(shape, bp))]
+                                   else candidates(shape, max(bp, 16))
+                                   + (vector_candidates(shape, bp)
+                                      if bp <= fg.VECTOR_MAX_BATCH else []))]
         for tp, shape in shapes.items()
         for bp in batches
     ]
@@ -217,7 +238,7 @@ def main() -> None:
     # the four fastest plain schedules of each key.
     plan_jobs = []
     for tp, bp in best:
-        configs = ranked(previous or results, tp, bp)[:4]
+        configs = [c for c in ranked(previous or results, tp, bp) if not c.vector][:4]
         configs = [dataclasses.replace(c, block_rows=max(c.block_rows, 32)) for c in configs]
         plan_jobs += [(tp, bp, c) for c in dict.fromkeys(configs)]
     plan_results = measure(plan_jobs, plan=True)
@@ -230,6 +251,8 @@ def main() -> None:
                                                  latent_ulp=v["errors"][1])
                             for (t, b), v in xla.items()}), f, indent=1)
     entries = {}
+    if args.merge and args.table and os.path.exists(args.table):
+        entries = json.load(open(args.table))["entries"]
     for (tp, bp), row in sorted(best.items()):
         shape = shapes[tp]
         key = fg.table_key(shape.valid, shape.shard, shape.hidden, bp)
@@ -242,7 +265,8 @@ def main() -> None:
         device_kind=kind,
         generated=time.strftime("%Y-%m-%d"),
         command="python benchmarks/tune_front_gemm.py --table pallas/tuning/h200_front_gemm.json"
-                + (" --refine <an earlier run's tune_front_gemm.json>" if previous else ""),
+                + (" --refine <an earlier run's tune_front_gemm.json>" if previous else "")
+                + (f" --merge --tps {args.tps} --batches {args.batches}" if args.merge else ""),
         entries=entries,
     )
     for path in filter(None, [args.table, os.path.join(args.out, os.path.basename(
@@ -260,17 +284,21 @@ def main() -> None:
         print(f"{tp:>3} {bp:>4} {row['us']:>10.2f} {row['tbs']:>6.2f} {x_us:>8.2f} "
               f"{x_us / row['us']:>6.2f} {p['us'] if p else float('nan'):>8.2f}  "
               f"bn{c['block_rows']} bk{c['block_k']} s{c['split_k']} w{c['num_warps']} "
-              f"st{c['num_stages']} p{c['programs']} | bn{pc.get('block_rows')} "
+              f"st{c['num_stages']} p{c['programs']}{' vector' if c['vector'] else ''} | "
+              f"bn{pc.get('block_rows')} "
               f"bk{pc.get('block_k')} s{pc.get('split_k')} w{pc.get('num_warps')} "
               f"st{pc.get('num_stages')} p{pc.get('programs')}")
-    # The fastest stream-K schedule of each key beside the fastest of the grid (p0).
+    # The fastest schedule of each kind per key: the grid (split-K), stream-K, vector.
+    def kind(config):
+        return "vector" if config["vector"] else "stream-K" if config["programs"] else "grid"
+
     for (tp, bp) in sorted(best):
         timed = [r for r in results if r["tp"] == tp and r["batch"] == bp and "us" in r]
-        streamed = [r for r in timed if r["config"]["programs"]]
-        grid = [r for r in timed if not r["config"]["programs"]]
-        if streamed and grid:
-            r, g = (min(rows, key=lambda r: r["us"]) for rows in (streamed, grid))
-            print(f"  tp{tp} B{bp}: stream-K {r['us']:.2f} us ({r['config']}), grid {g['us']:.2f}")
+        fastest_of = {}
+        for r in sorted(timed, key=lambda r: r["us"]):
+            fastest_of.setdefault(kind(r["config"]), r)
+        print(f"  tp{tp} B{bp}: " + ", ".join(
+            f"{name} {r['us']:.2f} us" for name, r in sorted(fastest_of.items())))
     failed = sum("error" in r for r in results + plan_results)
     outside = sum("outside the contract" in r.get("error", "") for r in results + plan_results)
     print(f"{len(results) + len(plan_results)} variants, {failed} failed or skipped "

@@ -36,6 +36,13 @@ float32 partial goes to a workspace slot ``[program, segment]`` and takes a tick
 counter, and the tile's last contributor sums its contributors' partials in program order and runs
 the same epilogue. Partials: ``4 * block_rows * B_tile`` bytes written and read back per segment.
 
+Vector (``FrontGemmConfig(vector=True)``, ``B <= 8``): one program per ``block_rows`` rows (any power of
+two, so the grid covers the SMs even at tp8) over all of K, multiply-adds on the CUDA cores into one
+float32 ``[block_rows, block_k]`` accumulator per batch row, summed over its lanes at the end. No
+split, so no counters, no zeroing kernel and no partials: what split-K and stream-K pay at tp8. The
+K steps are unrolled (Triton pipelines only loads that feed a dot) and the arithmetic is ``2 * B``
+FLOP per weight element, so it is a schedule for the smallest batches only. No plan epilogue.
+
 Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working). The kernel needs exactly what
 Triton does well: a K loop whose loads the software pipeliner turns into ``num_stages`` asynchronous
 copies, small-M tensor-core dots, masks, and global atomics. Mosaic GPU (``plgpu.kernel``) would need
@@ -48,7 +55,8 @@ Cost per call (bf16 = 2 bytes; ``shard = n - split``; ``P`` the partials, 0 when
          + 4 * B * valid + 2 * B * shard   logits and latent written
          + B * shard * (1 + 1 / block) the plan, when asked for
          + P = 8 * B * (valid + shard) * split_k   partial tiles written and read back
-  FLOPs  = 2 * B * (valid + shard) * H
+  FLOPs  = 2 * B * (valid + shard) * H  (the vector schedule's on the CUDA cores: 64 MFLOP a batch
+                                        row at tp1, about 1 us at the H200's 67 TFLOP/s of float32)
 so the arithmetic intensity is about B FLOP/byte: memory-bound up to B of a few hundred on an H200,
 whose floor is the weight bytes over the HBM read bandwidth (13.8 us at tp1, 1.73 us at tp8).
 """
@@ -90,9 +98,17 @@ class FrontGemmConfig(GemmConfig):
 
     ``programs``: 0 for the grid of ``split_k x tiles`` programs; ``P > 0`` for stream-K: ``P``
     programs, each over an equal run of the ``tiles x K steps`` iterations (``split_k`` must be 1).
+
+    ``vector``: the matrix-vector schedule for the smallest batches: one program per ``block_rows``
+    rows (any power of two) over all of K, multiply-adds on the CUDA cores instead of a tensor-core
+    dot, so no split, no counters and no partials (``split_k`` 1, ``programs`` 0; no plan epilogue).
     """
 
     programs: int = 0
+    vector: bool = False
+
+    def least_block_rows(self) -> int:
+        return 1 if self.vector else super().least_block_rows()
 
     def __post_init__(self):
         super().__post_init__()
@@ -103,11 +119,16 @@ class FrontGemmConfig(GemmConfig):
                 f"stream-K (programs={self.programs}) splits K itself: split_k must be 1, got "
                 f"{self.split_k}"
             )
+        if self.vector and (self.split_k != 1 or self.programs):
+            raise ValueError(
+                f"the vector schedule streams all of K per program: split_k must be 1 and programs "
+                f"0, got split_k={self.split_k}, programs={self.programs}"
+            )
 
 
 def table_key(valid: int, shard: int, hidden: int, batch: int) -> str:
-    """Key of a tuning-table entry: the shard's shape and the padded batch."""
-    return f"valid={valid},shard={shard},hidden={hidden},batch={padded_batch(batch)}"
+    """Key of a tuning-table entry: the shard's shape and the batch rounded up to a power of two."""
+    return f"valid={valid},shard={shard},hidden={hidden},batch={1 << (batch - 1).bit_length()}"
 
 
 @functools.cache
@@ -115,7 +136,8 @@ def load_table(kind: str) -> dict[tuple[str, bool], FrontGemmConfig]:
     """The tuning table of device ``kind``: ``(key, plan) -> config`` (empty where there is none).
 
     Each entry has the schedule of the plain GEMM (``config``) and, where the tuner timed the plan
-    epilogue apart, the schedule of the GEMM with the plan (``plan_config``; else ``config``).
+    epilogue apart, the schedule of the GEMM with the plan (``plan_config``; else ``config``, unless
+    that is a vector schedule, which has no plan epilogue).
     """
     name = TABLE_FILES.get(kind)
     if name is None:
@@ -123,7 +145,9 @@ def load_table(kind: str) -> dict[tuple[str, bool], FrontGemmConfig]:
     table = {}
     for key, entry in table_entries(name).items():
         table[key, False] = FrontGemmConfig(**entry["config"])
-        table[key, True] = FrontGemmConfig(**entry.get("plan_config", entry["config"]))
+        plan = FrontGemmConfig(**entry.get("plan_config", entry["config"]))
+        if not plan.vector:  # no plan epilogue: the plan takes the padded batch's entry
+            table[key, True] = plan
     return table
 
 
@@ -151,10 +175,14 @@ def pick_config(
 ) -> FrontGemmConfig:
     """The table's entry for this shape (with or without the plan epilogue) on the target device,
     else ``heuristic_config``."""
-    kind = device_kind()
-    found = load_table(kind).get((table_key(valid, shard, hidden, batch), plan))
-    if found is not None:
-        return found
+    table = load_table(device_kind())
+    # The batch's own power of two (the vector schedules are tuned per small batch), then the
+    # tensor-core batch tile it pads to.
+    for key in (table_key(valid, shard, hidden, batch), table_key(valid, shard, hidden,
+                                                                  padded_batch(batch))):
+        found = table.get((key, plan))
+        if found is not None:
+            return found
     return heuristic_config(valid, shard, hidden, batch, core_count())
 
 
@@ -369,6 +397,46 @@ def _stream_k_kernel(x_ref, w_ref, counters_in, *refs, geometry: Geometry, inter
                             values_ref, scales_ref)
 
 
+VECTOR_MAX_BATCH = 8
+"""The vector schedule keeps one ``[block_rows, block_k]`` float32 accumulator per batch row."""
+
+
+def _vector_kernel(x_ref, w_ref, logits_ref, latent_ref, *, geometry: Geometry, interpret: bool):
+    """One program of the vector schedule: tile ``tile``'s rows over all of K on the CUDA cores.
+
+    The K steps are unrolled (no loop): Triton pipelines only loads that feed a dot, so the loads
+    of a loop would wait one by one, where straight-line code lets the compiler issue a program's
+    every load before its first multiply. Each batch row has a float32 accumulator ``[block_rows,
+    block_k]`` of elementwise products, summed over its ``block_k`` lanes at the end; no partial
+    leaves the program.
+    """
+    del interpret
+    g, cfg = geometry, geometry.config
+    bn, bk = cfg.block_rows, cfg.block_k
+    first_row, is_latent, row_ok = _tile_rows(g, pl.program_id(0))
+    rows_mask = row_ok if g.valid % bn or g.shard % bn else None
+    accs = [jnp.zeros((bn, bk), jnp.float32) for _ in range(g.batch)]
+    for k in range(0, g.hidden, bk):
+        w = masked_load(w_ref.at[pl.ds(first_row, bn), pl.ds(k, bk)], rows_mask, "evict_first")
+        w = w.astype(jnp.float32)
+        for b in range(g.batch):
+            accs[b] = accs[b] + w * plgpu.load(x_ref.at[pl.ds(b, 1), pl.ds(k, bk)]).astype(
+                jnp.float32)
+    out_ok = row_ok.reshape(bn)
+    for b, acc in enumerate(accs):
+        y = jnp.sum(acc, axis=1)  # [block_rows]
+        row = jnp.int32(b)
+
+        @pl.when(jnp.logical_not(is_latent))
+        def _():
+            plgpu.store(logits_ref.at[row, pl.ds(first_row, bn)], y, mask=out_ok)
+
+        @pl.when(is_latent)
+        def _():
+            plgpu.store(latent_ref.at[row, pl.ds(first_row - g.split, bn)],
+                        y.astype(jnp.bfloat16), mask=out_ok)
+
+
 def _check(x, packed, split, valid, block) -> None:
     for name, array in (("x", x), ("packed", packed)):
         shape = getattr(array, "shape", None)
@@ -410,6 +478,11 @@ def _resolve(config, valid, shard, hidden, batch, block) -> FrontGemmConfig:
     if not isinstance(config, FrontGemmConfig):
         raise ValueError(f"config must be a FrontGemmConfig or None, got {type(config).__name__}")
     config.check_divides(hidden, "hidden")
+    if config.vector and block is not None:
+        raise ValueError(f"{config} is a vector schedule, which has no plan epilogue: pass a "
+                         "tensor-core schedule to front_gemm_plan")
+    if config.vector and batch > VECTOR_MAX_BATCH:
+        raise ValueError(f"the vector schedule {config} covers B <= {VECTOR_MAX_BATCH}, got B={batch}")
     if config.block_k >= FOLD_K:
         raise ValueError(f"FrontGemmConfig.block_k must be below FOLD_K={FOLD_K} (the accumulator's "
                          f"fold), got {config.block_k}")
@@ -435,7 +508,9 @@ def _call(x, packed, split, valid, block, interpret, config):
             jax.ShapeDtypeStruct((batch, g.shard // block), jnp.uint8),
         ]
     args, aliases = [x, packed], {}
-    if config.programs:
+    if config.vector:
+        kernel, grid = _vector_kernel, (g.tiles,)
+    elif config.programs:
         sk = StreamK(g.tiles, hidden // config.block_k, config.programs)
         out_shape += [
             jax.ShapeDtypeStruct(

@@ -48,14 +48,18 @@ class GemmConfig:
 
     def __post_init__(self):
         name = type(self).__name__
-        for field in ("block_rows", "block_k"):
+        for field, least in (("block_rows", self.least_block_rows()), ("block_k", MIN_DOT)):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < MIN_DOT or value & (value - 1):
-                raise ValueError(f"{name}.{field} must be a power of two >= 16, got {value!r}")
+            if not isinstance(value, int) or value < least or value & (value - 1):
+                raise ValueError(f"{name}.{field} must be a power of two >= {least}, got {value!r}")
         for field in ("split_k", "num_warps", "num_stages"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
+
+    def least_block_rows(self) -> int:
+        """The fewest rows a program may own: a tensor-core dot's M."""
+        return MIN_DOT
 
     def check_divides(self, k: int, what: str) -> None:
         """Raise ValueError unless ``split_k * block_k`` divides the GEMM's K."""

@@ -75,6 +75,11 @@ INTERPRET_CASES = [
     (2, 37, None, Cfg(64, 64, 1, 4, 3, programs=7), True),
     (8, 3, 120, Cfg(32, 32, 1, 4, 3, programs=29), True),
     (8, 16, None, Cfg(128, 128, 1, 8, 3, programs=64), True),
+    # The vector schedule: one row per program, tiles that run past their region (112 % 32, and a
+    # split off every alignment), and the largest batch it takes.
+    (8, 1, None, Cfg(1, 64, 1, 4, 3, vector=True), False),
+    (8, 3, 120, Cfg(32, 32, 1, 4, 3, vector=True), False),
+    (1, 8, None, Cfg(16, 128, 1, 4, 3, vector=True), False),
 ]
 
 
@@ -211,6 +216,34 @@ def test_table_covers_the_k3_shapes_and_is_used_on_h200():
                 assert fg.pick_config(valid, shard, K3.hidden, batch, plan=True) == plan_cfg
                 # Batches share the entry of their padded size.
                 assert fg.pick_config(valid, shard, K3.hidden, batch // 2 + 1) == cfg
+        with jax.sharding.use_abstract_mesh(mesh):
+            # Batches below 16: their own power of two's entry where the table has one (the
+            # vector schedules), else the entry of 16.
+            for batch in (1, 2, 3, 5, 8):
+                key = fg.table_key(valid, shard, K3.hidden, batch)
+                entry = table["entries"].get(key) or table["entries"][
+                    fg.table_key(valid, shard, K3.hidden, 16)]
+                assert fg.pick_config(valid, shard, K3.hidden, batch) == Cfg(**entry["config"])
+
+
+def test_table_vector_entries(monkeypatch):
+    """A batch's own vector entry serves the plain GEMM; the plan, which a vector schedule cannot
+    write, and batches without an entry of their own take the padded batch's entry."""
+    valid, _, shard = k3_shape(8)
+    vector = dict(block_rows=4, block_k=512, split_k=1, num_warps=4, num_stages=1, vector=True)
+    grid = dict(block_rows=32, block_k=64, split_k=8, num_warps=4, num_stages=6)
+    entries = {fg.table_key(valid, shard, K3.hidden, 1): {"config": vector},
+               fg.table_key(valid, shard, K3.hidden, 16): {"config": grid}}
+    monkeypatch.setattr(fg, "table_entries", lambda name: entries)
+    fg.load_table.cache_clear()
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+    try:
+        with jax.sharding.use_abstract_mesh(mesh):
+            assert fg.pick_config(valid, shard, K3.hidden, 1) == Cfg(**vector)
+            assert fg.pick_config(valid, shard, K3.hidden, 1, plan=True) == Cfg(**grid)
+            assert fg.pick_config(valid, shard, K3.hidden, 2) == Cfg(**grid)
+    finally:
+        fg.load_table.cache_clear()
 
 
 @pytest.mark.parametrize("hidden", [7168, 256, 48])
@@ -226,6 +259,37 @@ def test_heuristic_config_divides_the_problem(hidden, batch):
         if hidden == 7168:  # room to split: every SM gets a program
             assert tiles * cfg.split_k >= 132
     assert fg.pick_config(112, 448, 256, 3) == fg.heuristic_config(112, 448, 256, 3, 132)
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_vector_schedule_lowers_for_h200_as_one_kernel(tp):
+    """No counters and no zeroing: one Triton kernel, nothing else, at the batches it covers."""
+    valid, split, shard = k3_shape(tp)
+    w = jnp.zeros((split + shard, K3.hidden), jnp.bfloat16)
+    config = Cfg(4 if tp == 8 else 32, 512, 1, 4, 4, vector=True)
+    for batch in (1, 4, 8):
+        x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
+        text = lower_for_h200(lambda x, w: fg.front_gemm(x, w, split, valid, config=config), x, w)
+        assert text.count("__gpu$xla.gpu.triton") == 1
+        for op in ("stablehlo.broadcast", "stablehlo.convert", "stablehlo.slice",
+                    "stablehlo.dot_general"):
+            assert op not in text, (tp, batch, op)
+
+
+def test_vector_config_errors():
+    with pytest.raises(ValueError, match="split_k must be 1 and programs 0"):
+        Cfg(4, 64, 2, 4, 3, vector=True)
+    with pytest.raises(ValueError, match="split_k must be 1 and programs 0"):
+        Cfg(4, 64, 1, 4, 3, programs=132, vector=True)
+    with pytest.raises(ValueError, match=r"block_rows must be a power of two >= 1, got 3"):
+        Cfg(3, 64, 1, 4, 3, vector=True)
+    valid, split, shard = k3_shape(8)
+    w = jnp.zeros((split + shard, 64), jnp.bfloat16)
+    vector = Cfg(4, 64, 1, 4, 3, vector=True)
+    with pytest.raises(ValueError, match="no plan epilogue"):
+        fg.front_gemm_plan(jnp.zeros((2, 64), jnp.bfloat16), w, split, valid, config=vector)
+    with pytest.raises(ValueError, match="covers B <= 8, got B=9"):
+        fg.front_gemm(jnp.zeros((9, 64), jnp.bfloat16), w, split, valid, config=vector)
 
 
 def test_stream_k_config_errors():
@@ -271,6 +335,25 @@ def test_errors():
 @functools.cache
 def k3_weights():
     return mf.init_weights(jax.random.key(0), K3, shared=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+def test_gpu_vector_schedule_matches_float64(tp):
+    """The vector schedule at the batches it covers, to the same bounds as the tensor-core ones."""
+    cfg = K3.with_tp(tp)
+    params = mf.pack_params(k3_weights(), cfg)
+    valid, split = cfg.experts_per_rank, params.split
+    config = Cfg(4 if tp == 8 else 16, 512, 1, 4, 1, vector=True)
+    for batch in (1, 3, 8):
+        x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
+        logits, latent = jax.jit(lambda x, w: fg.front_gemm(x, w, split, valid, config=config))(
+            x, params.packed)
+        y = exact_product(x, params.packed)
+        mag = np.maximum(np.abs(y), np.sqrt((y**2).mean(axis=1, keepdims=True)))
+        assert (np.abs(np.asarray(logits, np.float64) - y[:, :valid]) <= 1e-5 * mag[:, :valid]).all()
+        err = np.abs(np.asarray(latent.astype(jnp.float32), np.float64) - y[:, split:])
+        assert (err <= ulp_bf16(mag[:, split:])).all(), (tp, batch)
 
 
 def ulp_bf16(v):
