@@ -132,6 +132,19 @@ def cupti_us_per_kernel(fn, x, weights, rounds: int = 2) -> dict[str, list[float
             for i, name in enumerate(names)}
 
 
+def vector_schedules(tiles, k: int, parts: int, batch: int, cores: int = 132
+                     ) -> list[tuple[int, int, int]]:
+    """``(block_rows, block_k, num_warps)`` of the vector schedules worth timing for a batch of at
+    most ``streaming.VECTOR_MAX_BATCH``: 1 to 16 rows per program where ``tiles(rows)`` programs give
+    every one of ``cores`` SMs one; K steps of 256 to 1024 that divide ``k`` (one to four 16-byte
+    loads a thread per row); 2, 4 or 8 warps; at most 64 float32 accumulator registers a thread
+    (``parts`` row blocks x ``batch`` rows x ``block_rows x block_k`` over the threads)."""
+    return [(bn, bk, warps)
+            for bn in (1, 2, 4, 8, 16) if tiles(bn) >= cores
+            for bk in (256, 512, 1024) if k % bk == 0
+            for warps in (2, 4, 8) if parts * batch * bn * bk <= 64 * 32 * warps]
+
+
 def xla_dot(x, w):
     """XLA's ``dot_general`` over the packed weight, bf16 x bf16 -> f32 (GPU.md's anchor)."""
     return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)

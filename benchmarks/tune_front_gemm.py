@@ -37,6 +37,7 @@ from front_gemm_timing import (
     float64_product,
     packed_weights,
     tbs,
+    vector_schedules,
     xla_dot,
 )
 
@@ -90,18 +91,13 @@ def candidates(shape: Shape, bp: int, cores: int = 132) -> list[fg.FrontGemmConf
 
 
 def vector_candidates(shape: Shape, batch: int, cores: int = 132) -> list[fg.FrontGemmConfig]:
-    """The vector schedules worth timing for a batch of at most ``fg.VECTOR_MAX_BATCH``: 1 to 8 rows
-    per program, as long as every SM gets one; K steps of 256 to 1024 (one to four 16-byte loads a
-    thread per row); 2 or 4 warps; at most 64 accumulator registers a thread."""
-    out = []
-    for bn in (1, 2, 4, 8):
-        if -(-shape.valid // bn) + -(-shape.shard // bn) < cores:
-            continue
-        for bk in (256, 512, 1024):
-            for warps in (2, 4):
-                if batch * bn * bk <= 64 * 32 * warps:
-                    out.append(fg.FrontGemmConfig(bn, bk, 1, warps, 1, vector=True))
-    return out
+    """The vector schedules worth timing for a batch of at most ``fg.VECTOR_MAX_BATCH``
+    (``front_gemm_timing.vector_schedules``)."""
+    def tiles(bn):
+        return -(-shape.valid // bn) + -(-shape.shard // bn)
+
+    return [fg.FrontGemmConfig(bn, bk, 1, warps, 1, vector=True)
+            for bn, bk, warps in vector_schedules(tiles, shape.hidden, 1, batch, cores)]
 
 
 def check(got_logits, got_latent, y: np.ndarray, split: int) -> str | None:

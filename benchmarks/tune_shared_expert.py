@@ -1,11 +1,12 @@
 """Regenerate the shared expert's tuning table on the GPU: pallas/tuning/<device>_shared_expert.json.
 
-For each tp shape of K3 and padded batch it compiles a pruned set of schedules for each of the two
-kernels (gate/up with situ; down), checks each against XLA on the same data, times the correct ones
-with CUPTI over weights rotated past the L2, and keeps the fastest of each (the kernels are
-independent: a call's time is the sum).
+For each tp shape of K3 and batch rounded up to a power of two it compiles a pruned set of schedules
+for each of the two kernels (gate/up with situ; down; up to B = 8 the vector schedules too), checks
+each against XLA on the same data, times the correct ones with CUPTI over weights rotated past the
+L2, and keeps the fastest of each (the kernels are independent: a call's time is the sum).
 
   python benchmarks/tune_shared_expert.py --out $OUT [--table pallas/tuning/h200_shared_expert.json]
+  python benchmarks/tune_shared_expert.py --batches 1,2 --merge --table ...   (add keys to a table)
 
 Prints one line per (tp, batch) last; the full results go to $OUT/tune_shared_expert.json.
 """
@@ -27,8 +28,8 @@ import numpy as np
 
 from moe_front_jax import reference
 from moe_front_jax.pallas import shared_expert as se
-from moe_front_jax.pallas.streaming import GemmConfig, padded_batch
-from front_gemm_timing import cupti_us_per_call, tbs, xla_dot
+from moe_front_jax.pallas.streaming import VECTOR_MAX_BATCH, GemmConfig, padded_batch
+from front_gemm_timing import cupti_us_per_call, tbs, vector_schedules, xla_dot
 from shared_expert_timing import Shape, down_copies, gate_up_copies, rows
 
 SMEM_BUDGET = 200 * 1024
@@ -66,12 +67,20 @@ def candidates(row_count: int, k: int, parts: int, bp: int, cores: int = 132) ->
     return list(dict.fromkeys(out))
 
 
+def vector_candidates(row_count: int, k: int, parts: int, batch: int) -> list[GemmConfig]:
+    """The vector schedules worth timing for one kernel (``front_gemm_timing.vector_schedules``)."""
+    return [GemmConfig(bn, bk, 1, warps, 1, vector=True)
+            for bn, bk, warps in vector_schedules(lambda bn: -(-row_count // bn), k, parts, batch)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--table", default=None, help="write the table here")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the --table file's entries for the keys this run does not tune")
     parser.add_argument("--tps", default="1,8")
-    parser.add_argument("--batches", default="16,64")
+    parser.add_argument("--batches", default="1,2,4,8,16,64")
     parser.add_argument("--budget-s", type=float, default=100.0)
     parser.add_argument("--workers", type=int, default=16)
     args = parser.parse_args()
@@ -96,8 +105,12 @@ def main() -> None:
     per_key = []
     for tp, s in shapes.items():
         for bp in batches:
-            per_key.append([(tp, bp, "gate_up", c) for c in candidates(s.shared, s.hidden, 2, bp)])
-            per_key.append([(tp, bp, "down", c) for c in candidates(s.hidden, s.shared, 1, bp)])
+            tile = padded_batch(bp)
+            vector = bp <= VECTOR_MAX_BATCH
+            per_key.append([(tp, bp, "gate_up", c) for c in candidates(s.shared, s.hidden, 2, tile)
+                            + (vector_candidates(s.shared, s.hidden, 2, bp) if vector else [])])
+            per_key.append([(tp, bp, "down", c) for c in candidates(s.hidden, s.shared, 1, tile)
+                            + (vector_candidates(s.hidden, s.shared, 1, bp) if vector else [])])
     jobs = [lst[i] for i in range(max(map(len, per_key))) for lst in per_key if i < len(lst)]
     print(f"{len(jobs)} variants", flush=True)
 
@@ -152,6 +165,8 @@ def main() -> None:
     with open(os.path.join(args.out, "tune_shared_expert.json"), "w") as f:
         json.dump(dict(device=kind, results=results), f, indent=1)
     entries = {}
+    if args.merge and args.table and os.path.exists(args.table):
+        entries = json.load(open(args.table))["entries"]
     for tp, s in shapes.items():
         for bp in batches:
             if (tp, bp, "gate_up") in best and (tp, bp, "down") in best:
@@ -163,7 +178,10 @@ def main() -> None:
                 )
     table = dict(device_kind=kind, generated=time.strftime("%Y-%m-%d"),
                  command="python benchmarks/tune_shared_expert.py --table "
-                         "pallas/tuning/h200_shared_expert.json", entries=entries)
+                         "pallas/tuning/h200_shared_expert.json"
+                         + (f" --merge --tps {args.tps} --batches {args.batches}" if args.merge
+                            else ""),
+                 entries=entries)
     for path in filter(None, [args.table, os.path.join(args.out, "h200_shared_expert.json")]):
         with open(path, "w") as f:
             json.dump(table, f, indent=1)
@@ -176,7 +194,8 @@ def main() -> None:
             if not (gu and dn):
                 print(f"{tp:>3} {bp:>4} (no working schedule)")
                 continue
-            f = lambda c: f"bn{c['block_rows']} bk{c['block_k']} s{c['split_k']} w{c['num_warps']} st{c['num_stages']}"  # noqa: E731
+            f = lambda c: (f"bn{c['block_rows']} bk{c['block_k']} s{c['split_k']} w{c['num_warps']} "  # noqa: E731
+                           f"st{c['num_stages']}{' vector' if c['vector'] else ''}")
             print(f"{tp:>3} {bp:>4} {gu['us']:>10.2f} {tbs(s.gate_up_bytes, gu['us']):>6.2f} "
                   f"{dn['us']:>8.2f} {tbs(s.down_bytes, dn['us']):>6.2f} {gu['us'] + dn['us']:>7.2f}"
                   f"  {f(gu['config'])} | {f(dn['config'])}")

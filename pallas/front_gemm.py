@@ -76,6 +76,7 @@ from moe_front_jax.pallas.plan import quantize_tile
 from moe_front_jax.pallas.streaming import (
     MAX_BATCH,
     MIN_DOT,
+    VECTOR_MAX_BATCH,
     GemmConfig,
     core_count,
     device_kind,
@@ -85,6 +86,7 @@ from moe_front_jax.pallas.streaming import (
     split_for_cores,
     split_k_workspace,
     table_entries,
+    vector_stream,
 )
 
 TABLE_FILES = {"NVIDIA H200": "h200_front_gemm.json"}
@@ -99,16 +101,11 @@ class FrontGemmConfig(GemmConfig):
     ``programs``: 0 for the grid of ``split_k x tiles`` programs; ``P > 0`` for stream-K: ``P``
     programs, each over an equal run of the ``tiles x K steps`` iterations (``split_k`` must be 1).
 
-    ``vector``: the matrix-vector schedule for the smallest batches: one program per ``block_rows``
-    rows (any power of two) over all of K, multiply-adds on the CUDA cores instead of a tensor-core
-    dot, so no split, no counters and no partials (``split_k`` 1, ``programs`` 0; no plan epilogue).
+    ``vector`` (``streaming.GemmConfig``): the matrix-vector schedule, for ``B <= VECTOR_MAX_BATCH``;
+    ``programs`` must then be 0, and it has no plan epilogue.
     """
 
     programs: int = 0
-    vector: bool = False
-
-    def least_block_rows(self) -> int:
-        return 1 if self.vector else super().least_block_rows()
 
     def __post_init__(self):
         super().__post_init__()
@@ -119,10 +116,10 @@ class FrontGemmConfig(GemmConfig):
                 f"stream-K (programs={self.programs}) splits K itself: split_k must be 1, got "
                 f"{self.split_k}"
             )
-        if self.vector and (self.split_k != 1 or self.programs):
+        if self.vector and self.programs:
             raise ValueError(
-                f"the vector schedule streams all of K per program: split_k must be 1 and programs "
-                f"0, got split_k={self.split_k}, programs={self.programs}"
+                f"the vector schedule streams all of K per program: programs must be 0, got "
+                f"{self.programs}"
             )
 
 
@@ -397,34 +394,17 @@ def _stream_k_kernel(x_ref, w_ref, counters_in, *refs, geometry: Geometry, inter
                             values_ref, scales_ref)
 
 
-VECTOR_MAX_BATCH = 8
-"""The vector schedule keeps one ``[block_rows, block_k]`` float32 accumulator per batch row."""
-
-
 def _vector_kernel(x_ref, w_ref, logits_ref, latent_ref, *, geometry: Geometry, interpret: bool):
-    """One program of the vector schedule: tile ``tile``'s rows over all of K on the CUDA cores.
-
-    The K steps are unrolled (no loop): Triton pipelines only loads that feed a dot, so the loads
-    of a loop would wait one by one, where straight-line code lets the compiler issue a program's
-    every load before its first multiply. Each batch row has a float32 accumulator ``[block_rows,
-    block_k]`` of elementwise products, summed over its ``block_k`` lanes at the end; no partial
-    leaves the program.
-    """
+    """One program of the vector schedule: tile ``tile``'s rows over all of K on the CUDA cores
+    (``streaming.vector_stream``); no partial leaves the program."""
     del interpret
-    g, cfg = geometry, geometry.config
-    bn, bk = cfg.block_rows, cfg.block_k
+    g, bn = geometry, geometry.config.block_rows
     first_row, is_latent, row_ok = _tile_rows(g, pl.program_id(0))
     rows_mask = row_ok if g.valid % bn or g.shard % bn else None
-    accs = [jnp.zeros((bn, bk), jnp.float32) for _ in range(g.batch)]
-    for k in range(0, g.hidden, bk):
-        w = masked_load(w_ref.at[pl.ds(first_row, bn), pl.ds(k, bk)], rows_mask, "evict_first")
-        w = w.astype(jnp.float32)
-        for b in range(g.batch):
-            accs[b] = accs[b] + w * plgpu.load(x_ref.at[pl.ds(b, 1), pl.ds(k, bk)]).astype(
-                jnp.float32)
+    (ys,) = vector_stream(x_ref, w_ref, (first_row,), batch=g.batch, depth=g.hidden,
+                          config=g.config, rows_mask=rows_mask)
     out_ok = row_ok.reshape(bn)
-    for b, acc in enumerate(accs):
-        y = jnp.sum(acc, axis=1)  # [block_rows]
+    for b, y in enumerate(ys):  # y: [block_rows]
         row = jnp.int32(b)
 
         @pl.when(jnp.logical_not(is_latent))

@@ -68,6 +68,7 @@ from moe_front_jax.config import FrontConfig
 from moe_front_jax.pallas.streaming import (
     MAX_BATCH,
     MIN_DOT,
+    VECTOR_MAX_BATCH,
     GemmConfig,
     core_count,
     device_kind,
@@ -77,6 +78,7 @@ from moe_front_jax.pallas.streaming import (
     split_for_cores,
     split_k_workspace,
     table_entries,
+    vector_stream,
 )
 
 TABLE_FILES = {"NVIDIA H200": "h200_shared_expert.json"}
@@ -110,8 +112,8 @@ class SharedExpertConfig:
 
 
 def table_key(shared_per_rank: int, hidden: int, batch: int) -> str:
-    """Key of a tuning-table entry: the rank's slice and the padded batch."""
-    return f"shared={shared_per_rank},hidden={hidden},batch={padded_batch(batch)}"
+    """Key of a tuning-table entry: the rank's slice and the batch rounded up to a power of two."""
+    return f"shared={shared_per_rank},hidden={hidden},batch={1 << (batch - 1).bit_length()}"
 
 
 def load_table(kind: str) -> dict[str, SharedExpertConfig]:
@@ -155,9 +157,13 @@ def heuristic_config(shared_per_rank: int, hidden: int, batch: int, cores: int) 
 
 def pick_config(shared_per_rank: int, hidden: int, batch: int) -> SharedExpertConfig:
     """The table's entry for this shape on the target device, else ``heuristic_config``."""
-    found = load_table(device_kind()).get(table_key(shared_per_rank, hidden, batch))
-    if found is not None:
-        return found
+    table = load_table(device_kind())
+    # The batch's own power of two (vector schedules are tuned per small batch), then the
+    # tensor-core batch tile it pads to.
+    for size in (batch, padded_batch(batch)):
+        found = table.get(table_key(shared_per_rank, hidden, size))
+        if found is not None:
+            return found
     return heuristic_config(shared_per_rank, hidden, batch, core_count())
 
 
@@ -241,10 +247,47 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, situ, out_dtype, interpret:
     )
 
 
+def _vector_kernel(x_ref, w_ref, out_ref, *, geometry: Geometry, situ, out_dtype, interpret: bool):
+    """One program of either GEMM on the vector schedule (``streaming.vector_stream``): one tile of
+    rows (and, for gate/up, the up rows ``geometry.rows`` below) over all of K, then the epilogue."""
+    del interpret
+    g, bn = geometry, geometry.config.block_rows
+    first_row = pl.program_id(0) * bn
+    row_ok = (first_row + lax.broadcasted_iota(jnp.int32, (bn,), 0)) < g.rows
+    ragged = g.rows % bn != 0
+    first_rows = (first_row, first_row + g.rows) if situ else (first_row,)
+    parts = vector_stream(x_ref, w_ref, first_rows, batch=g.batch, depth=g.depth, config=g.config,
+                          rows_mask=row_ok[:, None] if ragged else None)
+    for b in range(g.batch):  # each part's [block_rows] float32 sums of batch row b
+        if situ:
+            gate, up = (part[b].astype(jnp.bfloat16) for part in parts)
+            out = reference.situ(gate, up, *situ)
+        else:
+            out = parts[0][b].astype(out_dtype)
+        plgpu.store(out_ref.at[jnp.int32(b), pl.ds(first_row, bn)], out,
+                    mask=row_ok if ragged else None)
+
+
 def _gemm(x, w, rows, out_dtype, config, situ, interpret, name):
     batch, depth = x.shape
     config.check_divides(depth, "K")
     g = Geometry(batch, depth, rows, config)
+    if config.vector:
+        if batch > VECTOR_MAX_BATCH:
+            raise ValueError(f"the vector schedule {config} covers B <= {VECTOR_MAX_BATCH}, got "
+                             f"B={batch}")
+        return pl.pallas_call(
+            functools.partial(
+                _vector_kernel, geometry=g, situ=situ, out_dtype=out_dtype, interpret=interpret
+            ),
+            out_shape=jax.ShapeDtypeStruct((batch, rows), out_dtype),
+            grid=(g.tiles,),
+            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(
+                num_warps=config.num_warps, num_stages=config.num_stages
+            ),
+            name=name,
+        )(x, w)
     parts = 2 if situ else 1
     workspace, counters = split_k_workspace(config, g.tiles, parts, g.batch_tile)
     out_shape = [jax.ShapeDtypeStruct((batch, rows), out_dtype)] + workspace

@@ -38,6 +38,10 @@ class GemmConfig:
       split_k: programs sharing one tile of rows, each over ``K / split_k`` of K; ``K`` must be a
         multiple of ``split_k * block_k``.
       num_warps, num_stages: Triton's warps per program and software-pipeline depth.
+      vector: (keyword only) the matrix-vector schedule for batches up to ``VECTOR_MAX_BATCH``: one
+        program per ``block_rows`` rows (any power of two) over all of K, multiply-adds on the CUDA
+        cores instead of a tensor-core dot (``vector_stream``), so no split (``split_k`` 1), no
+        counters and no partials.
     """
 
     block_rows: int
@@ -45,9 +49,12 @@ class GemmConfig:
     split_k: int
     num_warps: int
     num_stages: int
+    vector: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self):
         name = type(self).__name__
+        if not isinstance(self.vector, bool):
+            raise ValueError(f"{name}.vector must be a bool, got {self.vector!r}")
         for field, least in (("block_rows", self.least_block_rows()), ("block_k", MIN_DOT)):
             value = getattr(self, field)
             if not isinstance(value, int) or value < least or value & (value - 1):
@@ -56,10 +63,15 @@ class GemmConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
+        if self.vector and self.split_k != 1:
+            raise ValueError(
+                f"the vector schedule streams all of K per program: {name}.split_k must be 1, got "
+                f"{self.split_k}"
+            )
 
     def least_block_rows(self) -> int:
-        """The fewest rows a program may own: a tensor-core dot's M."""
-        return MIN_DOT
+        """The fewest rows a program may own: a tensor-core dot's M, or one row (vector)."""
+        return 1 if self.vector else MIN_DOT
 
     def check_divides(self, k: int, what: str) -> None:
         """Raise ValueError unless ``split_k * block_k`` divides the GEMM's K."""
@@ -68,6 +80,11 @@ class GemmConfig:
                 f"config {self} needs {what} divisible by split_k * block_k = "
                 f"{self.split_k * self.block_k}, got {what}={k}"
             )
+
+
+VECTOR_MAX_BATCH = 8
+"""Largest batch of the vector schedule: it keeps one ``[block_rows, block_k]`` float32 accumulator
+per batch row and does ``2 * B`` FLOP per weight element on the CUDA cores."""
 
 
 def padded_batch(batch: int) -> int:
@@ -114,6 +131,32 @@ def masked_load(ref, mask, eviction_policy=None):
     (plain 16-byte vectors)."""
     other = None if mask is None else 0.0
     return plgpu.load(ref, mask=mask, other=other, eviction_policy=eviction_policy)
+
+
+def vector_stream(x_ref, w_ref, first_rows, *, batch: int, depth: int, config: GemmConfig,
+                  rows_mask) -> list[list[jax.Array]]:
+    """The vector schedule's pass over all of K: for each row block starting at one of
+    ``first_rows`` and each of the ``batch`` rows of ``x``, the ``[block_rows]`` float32 dot products.
+
+    The K steps are unrolled (no loop): Triton pipelines only loads that feed a dot, so the loads of
+    a loop would wait one by one, where straight-line code lets the compiler issue a program's loads
+    ahead of its multiplies. Each (row block, batch row) has a float32 ``[block_rows, block_k]``
+    accumulator of elementwise products, summed over its ``block_k`` lanes at the end (chains of
+    ``depth / block_k`` additions per lane).
+    """
+    bn, bk = config.block_rows, config.block_k
+    accs = [[jnp.zeros((bn, bk), jnp.float32) for _ in range(batch)] for _ in first_rows]
+    for k in range(0, depth, bk):
+        # The weight is read once per call: first out of L2, so x stays.
+        ws = [masked_load(w_ref.at[pl.ds(first, bn), pl.ds(k, bk)], rows_mask, "evict_first")
+              for first in first_rows]
+        xs = [plgpu.load(x_ref.at[pl.ds(b, 1), pl.ds(k, bk)]).astype(jnp.float32)
+              for b in range(batch)]
+        for part, w in enumerate(ws):
+            w = w.astype(jnp.float32)
+            for b in range(batch):
+                accs[part][b] = accs[part][b] + w * xs[b]
+    return [[jnp.sum(acc, axis=1) for acc in part] for part in accs]
 
 
 def split_k_workspace(config: GemmConfig, tiles: int, parts: int, batch_tile: int):

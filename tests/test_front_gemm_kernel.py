@@ -277,10 +277,12 @@ def test_vector_schedule_lowers_for_h200_as_one_kernel(tp):
 
 
 def test_vector_config_errors():
-    with pytest.raises(ValueError, match="split_k must be 1 and programs 0"):
+    with pytest.raises(ValueError, match="split_k must be 1, got 2"):
         Cfg(4, 64, 2, 4, 3, vector=True)
-    with pytest.raises(ValueError, match="split_k must be 1 and programs 0"):
+    with pytest.raises(ValueError, match="programs must be 0, got 132"):
         Cfg(4, 64, 1, 4, 3, programs=132, vector=True)
+    with pytest.raises(ValueError, match="vector must be a bool, got 1"):
+        Cfg(4, 64, 1, 4, 3, vector=1)
     with pytest.raises(ValueError, match=r"block_rows must be a power of two >= 1, got 3"):
         Cfg(3, 64, 1, 4, 3, vector=True)
     valid, split, shard = k3_shape(8)

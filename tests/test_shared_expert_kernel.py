@@ -41,12 +41,15 @@ def gate_up_interpret(x, gate_up, *, config):
 
 
 # (batch, S_r, config): split-K and single-pass, B below / at / above 16, S_r a multiple of the tile
-# (K3 at tp8: 768) and not (an S_r of 80 against 32-row tiles: the last tile runs past both blocks).
+# (K3 at tp8: 768) and not (an S_r of 80 against 32-row tiles: the last tile runs past both blocks);
+# the vector schedule at B = 1 and at its largest batch, 8, with a ragged last tile.
 GATE_UP_CASES = [
     (1, 768, G(32, 64, 2, 4, 3)),
     (16, 768, G(64, 128, 1, 4, 2)),
     (37, 80, G(32, 64, 4, 4, 2)),
     (3, 80, G(16, 32, 1, 4, 2)),
+    (1, 768, G(16, 64, 1, 4, 1, vector=True)),
+    (8, 80, G(32, 128, 1, 2, 1, vector=True)),
 ]
 
 
@@ -69,6 +72,8 @@ def test_interpret_gate_up_situ_matches_reference_exactly(batch, s_r, config):
 @pytest.mark.parametrize("batch, rows, depth, config", [
     (5, 256, 768, G(32, 64, 3, 4, 2)),
     (20, 80, 96, G(32, 32, 1, 4, 2)),
+    (5, 256, 768, G(8, 256, 1, 4, 1, vector=True)),
+    (2, 80, 96, G(32, 32, 1, 4, 1, vector=True)),
 ])
 def test_interpret_down_matches_float64_exactly(out_dtype, batch, rows, depth, config):
     """Small-integer hidden and down (rows scaled by powers of two): the float32 product is exact."""
@@ -95,9 +100,12 @@ def assert_close_to_float64(got, want, tol):
 @pytest.mark.parametrize("tp, batch, config, out_dtype", [
     (8, 37, se.SharedExpertConfig(G(64, 64, 2, 4, 2), G(64, 128, 2, 4, 2)), jnp.float32),
     (1, 3, se.SharedExpertConfig(G(128, 128, 1, 4, 2), G(64, 256, 2, 4, 2)), jnp.bfloat16),
+    (8, 2, se.SharedExpertConfig(G(8, 128, 1, 4, 1, vector=True), G(16, 32, 1, 4, 1, vector=True)),
+     jnp.float32),
 ])
 def test_interpret_shared_expert_matches_reference_and_float64(tp, batch, config, out_dtype):
-    """Both kernels split K at tp8 (the float32 partial moe_front reduces); bfloat16 out at tp1."""
+    """Both kernels split K at tp8 (the float32 partial moe_front reduces); bfloat16 out at tp1; both
+    on the vector schedule at tp8."""
     cfg = dataclasses.replace(K3, hidden=SMALL_HIDDEN, tp=tp)
     weights = mf.init_weights(jax.random.key(tp), cfg)
     _, gate_up, down = rank_slices(weights, cfg, tp - 1, cfg.experts_per_rank)
@@ -167,6 +175,23 @@ def test_lowers_for_h200_as_two_kernels(tp):
                 assert op not in text, (tp, batch, op)
 
 
+@pytest.mark.parametrize("tp", [1, 8])
+def test_vector_schedule_lowers_for_h200_as_two_kernels(tp):
+    """The vector schedule: two Triton kernels and nothing else (no counters to zero)."""
+    cfg = K3.with_tp(tp)
+    s_r = cfg.shared_per_rank
+    gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
+    down = jnp.zeros((K3.hidden, s_r), jnp.bfloat16)
+    config = se.SharedExpertConfig(G(2, 512, 1, 4, 1, vector=True), G(8, 256, 1, 4, 1, vector=True))
+    for batch in (1, 8):
+        x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
+        fn = functools.partial(se.shared_expert, cfg=cfg, out_dtype=jnp.float32, config=config)
+        text = lower_for_h200(fn, x, gate_up, down)
+        assert text.count("__gpu$xla.gpu.triton") == 2, (tp, batch)
+        for op in ("stablehlo.broadcast_in_dim", "stablehlo.convert", "stablehlo.dot_general"):
+            assert op not in text, (tp, batch, op)
+
+
 @pytest.mark.parametrize("hidden", [7168, 256])
 @pytest.mark.parametrize("batch", [1, 37, 256])
 def test_heuristic_config_divides_the_problem(hidden, batch):
@@ -187,8 +212,11 @@ def test_pick_config_uses_the_table_on_h200():
     assert table, "pallas/tuning/h200_shared_expert.json is missing or empty (package data)"
     for tp in (1, 8):
         s_r = K3.with_tp(tp).shared_per_rank
-        for batch in (1, 8, 64):
-            key = se.table_key(s_r, K3.hidden, batch)
+        for batch in (1, 3, 8, 64):
+            # The batch's own power of two where the table has it (tuned per small batch), else the
+            # batch tile it pads to.
+            own, padded = (se.table_key(s_r, K3.hidden, b) for b in (batch, max(16, batch)))
+            key = own if own in table else padded
             assert key in table, key
             with jax.sharding.use_abstract_mesh(mesh):
                 assert se.pick_config(s_r, K3.hidden, batch) == table[key]
@@ -218,6 +246,9 @@ def test_errors():
         se.shared_expert(jnp.zeros((257, 64), jnp.bfloat16), gu, d, cfg)
     with pytest.raises(NotImplementedError, match="multiples of 16"):
         se.shared_expert(x[:, :40], gu[:, :40], d[:40], cfg)
+    vector = se.SharedExpertConfig(G(4, 64, 1, 4, 1, vector=True), G(4, 64, 1, 4, 1, vector=True))
+    with pytest.raises(ValueError, match="covers B <= 8, got B=9"):
+        se.shared_expert(jnp.zeros((9, 64), jnp.bfloat16), gu, d, cfg, config=vector)
 
 
 # --- on the GPU --------------------------------------------------------------------------------------
@@ -242,3 +273,19 @@ def test_gpu_matches_float64(tp):
             got = jax.jit(lambda x, g, d: se.shared_expert(x, g, d, cfg, out_dtype))(x, gate_up, down)
             assert got.dtype == out_dtype and got.shape == (batch, K3.hidden)
             assert_close_to_float64(got, want, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+def test_gpu_vector_schedule_matches_float64(tp):
+    """The vector schedule at the batches it covers, to the same bound."""
+    cfg = K3.with_tp(tp)
+    _, gate_up, down = rank_slices(k3_weights(), cfg, tp - 1, cfg.experts_per_rank)
+    config = se.SharedExpertConfig(G(2, 512, 1, 4, 1, vector=True), G(8, 256, 1, 4, 1, vector=True))
+    for batch in (1, 2, 8):
+        x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
+        want = oracle.shared_expert(x, gate_up, down)
+        got = jax.jit(lambda x, g, d: se.shared_expert(x, g, d, cfg, jnp.float32, config=config))(
+            x, gate_up, down)
+        assert got.dtype == jnp.float32 and got.shape == (batch, K3.hidden)
+        assert_close_to_float64(got, want, 1e-2)
