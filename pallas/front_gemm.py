@@ -42,6 +42,10 @@ float32 ``[block_rows, block_k]`` accumulator per batch row, summed over its lan
 split, so no counters, no zeroing kernel and no partials: what split-K and stream-K pay at tp8. The
 K steps are unrolled (Triton pipelines only loads that feed a dot) and the arithmetic is ``2 * B``
 FLOP per weight element, so it is a schedule for the smallest batches only. No plan epilogue.
+Measured on the H200 (benchmarks/RESULTS.md, sixth session): the fastest schedule at B = 1 and 2 at
+every tp (tp1 B=1 17.8 us, 3.6 TB/s, against 20.7 for the best tensor-core schedule; tp8 B=1 4.1
+against 6.7); at tp1 1.5x (B=4) and 3x (B=8) slower than them, presumably from the ``x`` loads and
+the multiply-adds, which grow with B where the weight read does not (not profiled).
 
 Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working). The kernel needs exactly what
 Triton does well: a K loop whose loads the software pipeliner turns into ``num_stages`` asynchronous

@@ -27,6 +27,11 @@ rows. At tp1 the tiles alone fill the GPU (6144 / 32 = 192 tiles); at tp8 a rank
 tp8): its row tiles alone give 224 programs of 32 rows, so it rarely needs a split. Two launches per
 call (plus, when a kernel splits K, XLA's zeroing of its int32 counters), as XLA's own fusion needs.
 
+Vector schedule (``GemmConfig(vector=True)``, ``B <= 8``; ``streaming.vector_stream``): either kernel
+as one program per ``block_rows`` rows (1 to 16; gate/up: as many gate and up rows) over all of K,
+multiply-adds on the CUDA cores, no split, no counters; the same epilogues. At tp8 a gate/up program
+of one gate and one up row gives 768 programs without splitting K.
+
 Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working), for the reasons of
 ``front_gemm``: a pipelined K loop, small-M tensor-core dots, masks and global atomics are what Triton
 does well; tanh lowers to libdevice and the sigmoid to ``1 / (1 + exp(-g))``. Mosaic GPU would need
@@ -44,12 +49,13 @@ Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the two kernels' split_k, their pa
 so the arithmetic intensity is about B FLOP/byte: memory-bound for decode batches; the floor on an
 H200 is the weight bytes over the HBM read bandwidth (56.8 us at tp1, 7.1 us at tp8 at 4.65 TB/s).
 
-Measured on the H200 (2026-12-03, tuned table, CUPTI, weights rotated; benchmarks/RESULTS.md): tp1
-B=1/8/64 70.5/69.9/87.4 us (3.7/3.8/3.0 TB/s) against XLA's 71.5/69.2/87.6; tp8 16.5/17.0/25.2 us
-against 14.4/15.4/21.4. At tp8 (tuning run) each kernel is short (gate/up 11.5 us over 22 MB, down 5.0 us over
-11 MB at B=16): the split gate/up programs stream only 4 K steps each, so most of a program's time is
-its pipeline's fill, and the counters' zeroing kernel adds a launch. ``backends.AUTO_PREFERS_XLA``
-keeps XLA for ``"auto"``.
+Measured on the H200 (2026-12-03, sixth session, tuned table, CUPTI, weights rotated;
+benchmarks/RESULTS.md): tp1 B=1/8/64 67.9/70.8/87.9 us (3.9/3.7/3.0 TB/s) against XLA's
+71.7/69.8/84.6; tp8 12.4/17.0/25.1 us against 14.5/15.8/19.5. The table picks the vector gate/up at
+tp1 B=1 (44.4 us, 3.97 TB/s) and tp8 B=1-4 (7.3 us at B=1, against 11.1 for the best split
+schedule); the down GEMM stays on the tensor cores (tp8: 4.9 us over 11 MB, its 768-long rows
+too short for either schedule to reach the read ceiling). ``backends.AUTO_PREFERS_XLA`` keeps XLA
+for ``"auto"``: the kernels are faster at B <= 2 only.
 """
 
 from __future__ import annotations
