@@ -33,6 +33,8 @@ for bench in ${BENCHES:-route front_gemm shared_expert plan mailbox}; do
   step "bench_$bench" python3 "benchmarks/bench_$bench.py" --out "$OUT"
 done
 # The stages timed against XLA (the mailbox has no XLA counterpart on one GPU: its table says what it adds).
+# What one kernel reads of each of these weights at best (XLA's plainest reads), the front GEMM beside.
+step read_by_size python3 benchmarks/read_by_size.py --out "$OUT"
 plotted=$(for b in route front_gemm shared_expert plan; do [ -f "$OUT/bench_$b.json" ] && echo "$OUT/bench_$b.json"; done)
 step plot python3 benchmarks/plot.py $plotted -o "$OUT/front.png" --table
 
@@ -40,5 +42,6 @@ for log in gpu_tests decode; do echo; echo "== $log (tail)"; tail -n 12 "$OUT/$l
 for bench in ${BENCHES:-route front_gemm shared_expert plan mailbox} ; do
   echo; echo "== bench_$bench (table)"; sed -n '/^$/,$p' "$OUT/bench_$bench.log" | tail -n 45
 done
+echo; echo "== read_by_size (table)"; sed -n '/^$/,$p' "$OUT/read_by_size.log"
 echo; echo "== plot"; cat "$OUT/plot.log"
 exit $failed
