@@ -47,7 +47,8 @@ PENDING: dict[str, str] = {}
 
 # Stages whose kernel measured slower than the XLA reference on the H200 (benchmarks/RESULTS.md):
 # "auto" keeps the reference for them; "pallas" still runs the kernel. On 2026-12-03 (sixth session)
-# the front GEMM was slower than XLA's dot at 21 of 28 (tp, B) (faster at B=1 up to tp4, 1.08-1.42x),
+# the front GEMM was slower than XLA's dot at 21 of 28 (tp, B) (faster at B=1 up to tp4, 1.08-1.42x,
+# and by 1-5% at four shapes of B = 32-64),
 # the shared expert faster at B <= 2 at tp8 and at tp1 B=1 (1.06-1.17x) and 1-22% slower elsewhere.
 # The standalone plan kernel measured 2.5-3.6x faster than XLA's plan (0.9-2.1 us), so "auto" uses it.
 AUTO_PREFERS_XLA: frozenset[str] = frozenset({"front_gemm", "front_gemm_plan", "shared_expert"})
