@@ -53,9 +53,9 @@ Measured on the H200 (2026-12-03, sixth session, tuned table, CUPTI, weights rot
 benchmarks/RESULTS.md): tp1 B=1/8/64 67.9/70.8/87.9 us (3.9/3.7/3.0 TB/s) against XLA's
 71.7/69.8/84.6; tp8 12.4/17.0/25.1 us against 14.5/15.8/19.5. The table picks the vector gate/up at
 tp1 B=1 (44.4 us, 3.97 TB/s) and tp8 B=1-4 (7.3 us at B=1, against 11.1 for the best split
-schedule); the down GEMM stays on the tensor cores (tp8: 4.9 us over 11 MB, its 768-long rows
-too short for either schedule to reach the read ceiling). ``backends.AUTO_PREFERS_XLA`` keeps XLA
-for ``"auto"``: the kernels are faster at B <= 2 only.
+schedule); the down GEMM stays on the tensor cores (tp8: 4.9 us over 11 MB, where XLA's plain row
+sum of the same weight takes 4.3 us: ``benchmarks/read_by_size.py``). ``backends.AUTO_PREFERS_XLA``
+keeps XLA for ``"auto"``: the kernels are faster at B <= 2 only.
 """
 
 from __future__ import annotations

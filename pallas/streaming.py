@@ -140,9 +140,12 @@ def vector_stream(x_ref, w_ref, first_rows, *, batch: int, depth: int, config: G
 
     The K steps are unrolled (no loop): Triton pipelines only loads that feed a dot, so the loads of
     a loop would wait one by one, where straight-line code lets the compiler issue a program's loads
-    ahead of its multiplies. Each (row block, batch row) has a float32 ``[block_rows, block_k]``
-    accumulator of elementwise products, summed over its ``block_k`` lanes at the end (chains of
-    ``depth / block_k`` additions per lane).
+    ahead of its multiplies. How far ahead is ptxas's choice: compiled for sm_90, a B=1 program of
+    two rows issues 12 of its 28 weight loads before its first multiply-add, a B=4 program of one
+    row 3 of its 14 (6 with every weight load placed first in the source), a likely reason why
+    the schedule slows down with B (not profiled). Each (row block, batch row) has a float32
+    ``[block_rows, block_k]`` accumulator of elementwise products, summed over its ``block_k``
+    lanes at the end (chains of ``depth / block_k`` additions per lane).
     """
     bn, bk = config.block_rows, config.block_k
     accs = [[jnp.zeros((bn, bk), jnp.float32) for _ in range(batch)] for _ in first_rows]
