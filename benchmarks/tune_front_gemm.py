@@ -246,9 +246,10 @@ def main() -> None:
                        xla={f"tp{t},B{b}": dict(us=v["us"], logits_error=v["errors"][0],
                                                  latent_ulp=v["errors"][1])
                             for (t, b), v in xla.items()}), f, indent=1)
-    entries = {}
+    entries, earlier = {}, ""
     if args.merge and args.table and os.path.exists(args.table):
-        entries = json.load(open(args.table))["entries"]
+        merged = json.load(open(args.table))
+        entries, earlier = merged["entries"], merged["command"] + "; then "
     for (tp, bp), row in sorted(best.items()):
         shape = shapes[tp]
         key = fg.table_key(shape.valid, shape.shard, shape.hidden, bp)
@@ -260,7 +261,8 @@ def main() -> None:
     table = dict(
         device_kind=kind,
         generated=time.strftime("%Y-%m-%d"),
-        command="python benchmarks/tune_front_gemm.py --table pallas/tuning/h200_front_gemm.json"
+        command=earlier
+                + "python benchmarks/tune_front_gemm.py --table pallas/tuning/h200_front_gemm.json"
                 + (" --refine <an earlier run's tune_front_gemm.json>" if previous else "")
                 + (f" --merge --tps {args.tps} --batches {args.batches}" if args.merge else ""),
         entries=entries,

@@ -164,9 +164,10 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune_shared_expert.json"), "w") as f:
         json.dump(dict(device=kind, results=results), f, indent=1)
-    entries = {}
+    entries, earlier = {}, ""
     if args.merge and args.table and os.path.exists(args.table):
-        entries = json.load(open(args.table))["entries"]
+        merged = json.load(open(args.table))
+        entries, earlier = merged["entries"], merged["command"] + "; then "
     for tp, s in shapes.items():
         for bp in batches:
             if (tp, bp, "gate_up") in best and (tp, bp, "down") in best:
@@ -177,7 +178,7 @@ def main() -> None:
                     us=round(gu["us"] + dn["us"], 3),
                 )
     table = dict(device_kind=kind, generated=time.strftime("%Y-%m-%d"),
-                 command="python benchmarks/tune_shared_expert.py --table "
+                 command=earlier + "python benchmarks/tune_shared_expert.py --table "
                          "pallas/tuning/h200_shared_expert.json"
                          + (f" --merge --tps {args.tps} --batches {args.batches}" if args.merge
                             else ""),
