@@ -3,7 +3,8 @@
 Target: the mailbox adds at most 2 us per call at B <= 64 on the H200. For each B in {1, 8, 64, 256}
 the script times, with CUPTI (summed kernel time per call), in one process:
 
-- ``direct``: ``jax.jit(moe_front)(x, params)`` (the XLA reference front GEMM and routing);
+- ``direct``: ``jax.jit(moe_front)(x, params)`` on ``"auto"`` (the front GEMM where the auto table
+  puts it: until the sixth session's table, always XLA's; then the routing kernel);
 - ``mailbox``: ``jax.jit(moe_front, donate_argnames="mailbox")(x, params, mailbox=box)``, the box
   threaded from call to call as a decode loop does: the publish, the collect, the routing kernel;
 - ``fused``: the same step with the routing kernel polling the mailbox itself

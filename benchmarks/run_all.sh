@@ -33,6 +33,9 @@ for bench in ${BENCHES:-route front_gemm shared_expert plan mailbox}; do
   step "bench_$bench" python3 "benchmarks/bench_$bench.py" --out "$OUT"
 done
 # The stages timed against XLA (the mailbox has no XLA counterpart on one GPU: its table says what it adds).
+# Where "auto" would run the GEMM kernels by this run alone (the shipped table needs every run it names).
+step auto_table python3 benchmarks/auto_table.py --front "$OUT/bench_front_gemm.json" \
+  --shared "$OUT/bench_shared_expert.json" --out "$OUT/h200_auto.json"
 # What one kernel reads of each of these weights at best (XLA's plainest reads), the front GEMM beside.
 step read_by_size python3 benchmarks/read_by_size.py --out "$OUT"
 plotted=$(for b in route front_gemm shared_expert plan; do [ -f "$OUT/bench_$b.json" ] && echo "$OUT/bench_$b.json"; done)

@@ -11,7 +11,9 @@ Stages and their signatures (every implementation of a stage takes the same argu
 
 ``"xla"`` is the reference; ``"pallas"`` the GPU kernels; ``"interpret"`` the same kernels in Pallas'
 interpret mode (any machine); ``"auto"`` the kernels on a GPU where one exists for the stage and is faster than
-XLA there, else the reference.
+XLA there, else the reference. For the GEMMs (``AUTO_BY_SHAPE``) "there" is a shape: ``"auto"`` asks,
+when it traces a call, whether the device's auto table (``pallas/tuning/<device>_auto.json``, made from
+benchmark runs by ``benchmarks/auto_table.py``) measured the kernel faster at the call's shapes.
 """
 
 from __future__ import annotations
@@ -45,13 +47,18 @@ KERNELS: dict[str, str] = {
 }
 PENDING: dict[str, str] = {}
 
-# Stages whose kernel measured slower than the XLA reference on the H200 (benchmarks/RESULTS.md):
-# "auto" keeps the reference for them; "pallas" still runs the kernel. On 2026-12-03 (sixth session)
-# the front GEMM was slower than XLA's dot at 21 of 28 (tp, B) (faster at B=1 up to tp4, 1.08-1.42x,
-# and by 1-5% at four shapes of B = 32-64),
-# the shared expert faster at B <= 2 at tp8 and at tp1 B=1 (1.06-1.17x) and 1-22% slower elsewhere.
-# The standalone plan kernel measured 2.5-3.6x faster than XLA's plan (0.9-2.1 us), so "auto" uses it.
-AUTO_PREFERS_XLA: frozenset[str] = frozenset({"front_gemm", "front_gemm_plan", "shared_expert"})
+# Stages whose kernel "auto" runs only at the shapes where the device's auto table measured it faster
+# than the reference: stage -> "module:function" of a predicate over the stage's arguments. On the
+# H200 (benchmarks/RESULTS.md, 2026-12-03, sixth session) the front GEMM beat XLA's reference stage by
+# 5% or more in both runs at B=1 at every tp, tp2 B=32 and tp8 B=16; the shared expert at tp8 B <= 2.
+AUTO_BY_SHAPE: dict[str, str] = {
+    "front_gemm": "moe_front_jax.pallas.front_gemm:auto_prefers_kernel",
+    "shared_expert": "moe_front_jax.pallas.shared_expert:auto_prefers_kernel",
+}
+# Stages whose kernel "auto" never runs: the front GEMM with the plan in its epilogue, never timed
+# against XLA's GEMM followed by the plan kernel as one. "pallas" still runs it. The standalone plan
+# kernel measured 2.5-3.6x faster than XLA's plan (0.9-2.1 us), so "auto" uses it.
+AUTO_PREFERS_XLA: frozenset[str] = frozenset({"front_gemm_plan"})
 
 
 def check_backend(backend: str) -> str:
@@ -79,12 +86,29 @@ def stage(name: str, backend: str) -> Callable:
     auto_xla = not on_gpu() or name not in KERNELS or name in AUTO_PREFERS_XLA
     if backend == "xla" or (backend == "auto" and auto_xla):
         return REFERENCE[name]
+    if backend == "auto" and name in AUTO_BY_SHAPE:
+        return _by_shape(name)
     if name not in KERNELS:
         raise NotImplementedError(
             f"backend={backend!r}: no Pallas kernel for the {name} stage yet; it arrives with "
             f"{PENDING[name]}. Use backend='xla' (or 'auto') meanwhile."
         )
     return functools.partial(_load(KERNELS[name]), interpret=backend == "interpret")
+
+
+@functools.cache
+def _by_shape(name: str) -> Callable:
+    """Stage ``name`` under ``"auto"`` on a GPU: its kernel where ``AUTO_BY_SHAPE[name]`` says so for
+    the call's arguments (decided at trace time, from static shapes), else the reference."""
+    prefers, kernel, reference_stage = _load(AUTO_BY_SHAPE[name]), _load(KERNELS[name]), REFERENCE[name]
+
+    @functools.wraps(reference_stage)
+    def run(*args, **kwargs):
+        if prefers(*args, **kwargs):
+            return kernel(*args, **kwargs, interpret=False)
+        return reference_stage(*args, **kwargs)
+
+    return run
 
 
 @functools.cache

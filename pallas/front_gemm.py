@@ -89,6 +89,7 @@ from moe_front_jax.pallas.streaming import (
     padded_batch,
     split_for_cores,
     split_k_workspace,
+    measured_faster,
     table_entries,
     vector_stream,
 )
@@ -185,6 +186,16 @@ def pick_config(
         if found is not None:
             return found
     return heuristic_config(valid, shard, hidden, batch, core_count())
+
+
+def auto_prefers_kernel(x, packed, split, valid) -> bool:
+    """``backend="auto"``'s choice for ``front_gemm(x, packed, split, valid)``: True where the target
+    device's auto table measured this kernel faster than ``reference.front_gemm`` at these shapes
+    (``streaming.measured_faster``; the batch takes its power of two's entry)."""
+    if getattr(x, "ndim", 0) != 2 or getattr(packed, "ndim", 0) != 2 or x.shape[0] < 1:
+        return False  # the reference raises the error that names the argument
+    return measured_faster(
+        "front_gemm", table_key(valid, packed.shape[0] - split, x.shape[1], x.shape[0]))
 
 
 @dataclasses.dataclass(frozen=True)

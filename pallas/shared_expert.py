@@ -54,8 +54,8 @@ benchmarks/RESULTS.md): tp1 B=1/8/64 67.9/70.8/87.9 us (3.9/3.7/3.0 TB/s) agains
 71.7/69.8/84.6; tp8 12.4/17.0/25.1 us against 14.5/15.8/19.5. The table picks the vector gate/up at
 tp1 B=1 (44.4 us, 3.97 TB/s) and tp8 B=1-4 (7.3 us at B=1, against 11.1 for the best split
 schedule); the down GEMM stays on the tensor cores (tp8: 4.9 us over 11 MB, where XLA's plain row
-sum of the same weight takes 4.3 us: ``benchmarks/read_by_size.py``). ``backends.AUTO_PREFERS_XLA``
-keeps XLA for ``"auto"``: the kernels are faster at B <= 2 only.
+sum of the same weight takes 4.3 us: ``benchmarks/read_by_size.py``). ``"auto"`` runs these
+kernels where they measured faster (``auto_prefers_kernel``): at tp8 B <= 2.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ from moe_front_jax.pallas.streaming import (
     padded_batch,
     split_for_cores,
     split_k_workspace,
+    measured_faster,
     table_entries,
     vector_stream,
 )
@@ -171,6 +172,18 @@ def pick_config(shared_per_rank: int, hidden: int, batch: int) -> SharedExpertCo
         if found is not None:
             return found
     return heuristic_config(shared_per_rank, hidden, batch, core_count())
+
+
+def auto_prefers_kernel(x, gate_up, down, cfg, out_dtype=jnp.bfloat16) -> bool:
+    """``backend="auto"``'s choice for ``shared_expert(x, gate_up, down, cfg, out_dtype)``: True
+    where the target device's auto table measured these kernels faster than
+    ``reference.shared_expert`` at these shapes (``streaming.measured_faster``; the batch takes its
+    power of two's entry). The table's runs are in the dtype ``moe_front`` asks for (bfloat16 at tp1,
+    the float32 partial under tp)."""
+    del gate_up, cfg, out_dtype
+    if getattr(x, "ndim", 0) != 2 or getattr(down, "ndim", 0) != 2 or x.shape[0] < 1:
+        return False  # the reference raises the error that names the argument
+    return measured_faster("shared_expert", table_key(down.shape[1], x.shape[1], x.shape[0]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,6 +118,20 @@ def table_entries(file_name: str) -> dict[str, dict]:
     return json.loads(text)["entries"]
 
 
+AUTO_FILES = {"NVIDIA H200": "h200_auto.json"}
+"""Per device kind, under ``pallas/tuning/``: where ``backend="auto"`` runs a GEMM kernel rather than
+the XLA reference (``benchmarks/auto_table.py`` makes it from benchmark runs)."""
+
+
+def measured_faster(stage: str, key: str) -> bool:
+    """Whether the target device's auto table has ``stage``'s kernel faster than the XLA reference at
+    tuning-table key ``key``; False for a device, stage or key it does not list."""
+    name = AUTO_FILES.get(device_kind())
+    if name is None:
+        return False
+    return table_entries(name).get(stage, {}).get(key, {}).get("kernel", False)
+
+
 def split_for_cores(tiles: int, steps: int, cores: int) -> int:
     """The smallest split of ``steps`` K steps (a divisor, leaving at least two steps per program)
     that gives every one of ``cores`` SMs a program over ``tiles`` tiles of rows; the finest such
