@@ -102,12 +102,12 @@ def _by_shape(name: str) -> Callable:
     the call's arguments (decided at trace time, from static shapes), else the reference."""
     prefers, kernel, reference_stage = _load(AUTO_BY_SHAPE[name]), _load(KERNELS[name]), REFERENCE[name]
 
-    @functools.wraps(reference_stage)
     def run(*args, **kwargs):
         if prefers(*args, **kwargs):
             return kernel(*args, **kwargs, interpret=False)
         return reference_stage(*args, **kwargs)
 
+    run.__name__ = run.__qualname__ = f"auto_{name}"
     return run
 
 
