@@ -2,7 +2,8 @@
 
   python benchmarks/bench_front_gemm.py --out $OUT
 
-For tp in {1, 2, 4, 8} and B in {1, 8, 16, 32, 64, 128, 256}: the kernel (tuning-table schedule),
+For tp in {1, 2, 4, 8} and B in {1, 2, 4, 8, 16, 32, 64, 128, 256} (every power of
+two, so that ``auto_table.py`` can decide every key): the kernel (tuning-table schedule),
 the kernel with the MXFP8 plan from its epilogue, XLA's ``dot_general`` over the packed weight, and
 the XLA reference stage (dot, slice, cast); effective TB/s over the weight bytes the kernel reads,
 the floor at the measured read ceiling, and the ratio XLA / kernel. Then the whole front at tp1
@@ -47,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--tps", default="1,2,4,8")
-    parser.add_argument("--batches", default="1,8,16,32,64,128,256")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     args = parser.parse_args()
     device = jax.devices()[0]
     print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)

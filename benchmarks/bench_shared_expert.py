@@ -2,7 +2,7 @@
 
   python benchmarks/bench_shared_expert.py --out $OUT [--table <a tune_shared_expert table>]
 
-For tp in {1, 8} and B in {1, 8, 64}: the two kernels (gate/up with situ, then down; the tuning
+For tp in {1, 8} and B in {1, 2, 4, 8, 16, 32, 64}: the two kernels (gate/up with situ, then down; the tuning
 table's schedules, or --table's) and the XLA reference stage (``reference.shared_expert``: dot, slice,
 casts, situ, dot), each in the dtype ``moe_front`` asks for (bfloat16 at tp1, the float32 partial sum
 under tp); effective TB/s over the weight bytes (gate_up + down), the floor at the measured read
@@ -31,7 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--tps", default="1,8")
-    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64")
     parser.add_argument("--table", default=None,
                         help="take the schedules from this table file instead of the package's")
     args = parser.parse_args()
