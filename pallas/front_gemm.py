@@ -44,8 +44,9 @@ K steps are unrolled (Triton pipelines only loads that feed a dot) and the arith
 FLOP per weight element, so it is a schedule for the smallest batches only. No plan epilogue.
 Measured on the H200 (benchmarks/RESULTS.md, sixth session): the fastest schedule at B = 1 and 2 at
 every tp (tp1 B=1 17.8 us, 3.6 TB/s, against 20.7 for the best tensor-core schedule; tp8 B=1 4.1
-against 6.7); at tp1 1.5x (B=4) and 3x (B=8) slower than them, presumably from the ``x`` loads and
-the multiply-adds, which grow with B where the weight read does not (not profiled).
+against 6.7); at tp1 1.5x (B=4) and 3x (B=8) slower than them. Not profiled; the compiled code
+issues fewer of a program's weight loads ahead of its multiply-adds as B grows
+(``streaming.vector_stream``).
 
 Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working). The kernel needs exactly what
 Triton does well: a K loop whose loads the software pipeliner turns into ``num_stages`` asynchronous
@@ -86,10 +87,10 @@ from moe_front_jax.pallas.streaming import (
     device_kind,
     finish_split_k,
     masked_load,
+    measured_faster,
     padded_batch,
     split_for_cores,
     split_k_workspace,
-    measured_faster,
     table_entries,
     vector_stream,
 )

@@ -80,10 +80,10 @@ from moe_front_jax.pallas.streaming import (
     device_kind,
     finish_split_k,
     masked_load,
+    measured_faster,
     padded_batch,
     split_for_cores,
     split_k_workspace,
-    measured_faster,
     table_entries,
     vector_stream,
 )
