@@ -13,7 +13,11 @@ the script times, with CUPTI (summed kernel time per call), in one process:
 - ``exchange``: the mailbox alone (``bridge.mailbox.exchange``: publish + collect), and its two kernels;
 - ``direct_plan`` and ``mailbox_plan``: both paths with ``plan=True`` (issue 7: the plan adds at most
   1 us to the latent write), the direct path planning with the plan kernel after XLA's GEMM, the
-  mailbox path from the collecting kernel.
+  mailbox path from the collecting kernel;
+- ``direct_pallas`` and ``mailbox_pallas``: both paths on ``backend="pallas"``, where the front GEMM
+  is the Pallas kernel at every batch and the mailbox path publishes from its epilogue
+  (``front_gemm.front_gemm_publish``: no publish kernel); ``"auto"`` does the same at the shapes
+  where it runs the GEMM kernel.
 
 Three weight copies (3 x 64 MB, over the 60 MB L2) and three inputs rotate; no input is zero. Also
 measured: how long a collect, and a ``route_collect``, on a never-published mailbox take to return
@@ -110,15 +114,17 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
         (jax.random.normal(jax.random.key(100 + i), (batch, cfg.hidden)) + 0.1).astype(jnp.bfloat16)
         for i in range(COPIES)
     ]
-    direct = jax.jit(mf.moe_front, static_argnames="plan")
-    step = jax.jit(mf.moe_front, static_argnames="plan", donate_argnames="mailbox")
     state = dict(box=mf.Mailbox.create(cfg, capacity=max(BATCHES)), statuses=[])
 
-    def run_direct(i, plan=False):
-        return direct(xs[i % COPIES], params[i % COPIES], plan=plan)
+    direct = jax.jit(mf.moe_front, static_argnames=("plan", "backend"))
+    step = jax.jit(mf.moe_front, static_argnames=("plan", "backend"), donate_argnames="mailbox")
 
-    def run_mailbox(i, plan=False):
-        out, state["box"] = step(xs[i % COPIES], params[i % COPIES], plan=plan, mailbox=state["box"])
+    def run_direct(i, plan=False, backend="auto"):
+        return direct(xs[i % COPIES], params[i % COPIES], plan=plan, backend=backend)
+
+    def run_mailbox(i, plan=False, backend="auto"):
+        out, state["box"] = step(xs[i % COPIES], params[i % COPIES], plan=plan, backend=backend,
+                                 mailbox=state["box"])
         state["statuses"].append(out.status)
         return out
 
@@ -139,6 +145,8 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
         "fused": run_fused,
         "direct_plan": functools.partial(run_direct, plan=True),
         "mailbox_plan": functools.partial(run_mailbox, plan=True),
+        "direct_pallas": functools.partial(run_direct, backend="pallas"),
+        "mailbox_pallas": functools.partial(run_mailbox, backend="pallas"),
     }
     rounds = {name: [] for name in runs}
     for _ in range(2):  # interleaved, so that drift of the shared machine hits every path alike
@@ -157,7 +165,7 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
     statuses = {int(s) for s in state["statuses"]}
     if statuses != {0}:
         raise RuntimeError(f"B={batch}: mailbox statuses {statuses}, expected only 0")
-    d, m, f, dp, mp = (summarize(rounds[name]) for name in runs)
+    d, m, f, dp, mp, d_pallas, m_pallas = (summarize(rounds[name]) for name in runs)
     return dict(
         batch=batch,
         direct=d,
@@ -165,6 +173,12 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
         fused=f,
         direct_plan=dp,
         mailbox_plan=mp,
+        direct_pallas=d_pallas,
+        mailbox_pallas=m_pallas,
+        added_pallas_us=m_pallas["us"] - d_pallas["us"],
+        gemm_pallas_us=kernel_us(d_pallas, "front_gemm"),
+        gemm_publish_us=kernel_us(m_pallas, "front_gemm_publish"),
+        collect_pallas_us=kernel_us(m_pallas, "mailbox_collect"),
         plan_added_direct_us=dp["us"] - d["us"],
         plan_added_mailbox_us=mp["us"] - m["us"],
         exchange=exchange,
@@ -347,8 +361,9 @@ def main():
     with open(os.path.join(args.out, "bench_mailbox.json"), "w") as f:
         json.dump(report, f, indent=1)
     for row in report["batches"]:
-        kernels = [(name[:40], round(us, 2)) for name, us in row["mailbox"]["kernels"]]
-        print(f"B={row['batch']} mailbox path kernels (us):", kernels)
+        for path in ("mailbox", "mailbox_pallas"):
+            kernels = [(name[:40], round(us, 2)) for name, us in row[path]["kernels"]]
+            print(f"B={row['batch']} {path} path kernels (us):", kernels)
     print("timeout status after (s):", {b: round(s, 4) for b, s in report["timeout_s"].items()})
     print()
     print(
@@ -364,6 +379,18 @@ def main():
             f"| {row['collect_us']:.2f} | {row['route_us']:.2f} | {row['fused_added_us']:+.2f} | "
             f"{row['route_collect_us']:.2f} | {row['exchange']['us']:.2f} | "
             f"{row['plan_added_direct_us']:+.2f} | {row['plan_added_mailbox_us']:+.2f} |"
+        )
+    print()
+    print("backend='pallas': the mailbox path publishes from the front GEMM's epilogue")
+    print("| B | direct us | mailbox us | added us | front_gemm us | front_gemm_publish us "
+          "| collect us |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for row in report["batches"]:
+        print(
+            f"| {row['batch']} | {row['direct_pallas']['us']:.2f} | "
+            f"{row['mailbox_pallas']['us']:.2f} | {row['added_pallas_us']:+.2f} | "
+            f"{row['gemm_pallas_us']:.2f} | {row['gemm_publish_us']:.2f} | "
+            f"{row['collect_pallas_us']:.2f} |"
         )
 
 

@@ -481,9 +481,15 @@ def exchange(
     """
     batch = _check_exchange(mailbox, logits, latent_shard, axis_name, transport)
     mailbox, status = _publish_all(mailbox, logits, latent_shard, axis_name, backend, transport)
-    if status is None:
-        return collect(mailbox, batch, backend=backend)
-    return _kernels().collect(mailbox, batch, status)
+    return _collect_published(mailbox, batch, status, backend)
+
+
+def _collect_published(mailbox: Mailbox, batch: int, status, backend: str):
+    """``collect`` after a publish: by the kernels where they run, polling with the publish's status
+    word; else in plain JAX (``status`` unused)."""
+    if uses_kernels(backend):
+        return _kernels().collect(mailbox, batch, status)
+    return collect(mailbox, batch, backend=backend)
 
 
 @functools.partial(
@@ -524,22 +530,66 @@ def exchange_route(
     Raises:
       As ``exchange``; a wrong bias is a ValueError.
     """
-    from moe_front_jax.pallas import route_collect
-
-    cfg = mailbox_config(mailbox)
-    route = backends.stage("route", backend)
-    fused = plan and route is not backends.REFERENCE["route"] and route_collect.fuses_plan(cfg)
-    if not fused:
-        logits, latent, status, mailbox = exchange(
-            mailbox, logits, latent_shard, axis_name=axis_name, backend=backend, transport=transport
-        )
-        ids, weights = route(logits, bias, cfg)
-        planned = backends.stage("plan", backend)(latent, cfg.plan_block) if plan else None
-        return ids, weights, logits, latent, planned, status, mailbox
     batch = _check_exchange(mailbox, logits, latent_shard, axis_name, transport)
     mailbox, status = _publish_all(mailbox, logits, latent_shard, axis_name, backend, transport)
-    if status is None:
-        status = jnp.zeros((), jnp.int32)
-    return route_collect.route_collect(
-        mailbox, status, bias, batch, with_plan=True, interpret=backend == "interpret"
+    return _route_published(mailbox, status, bias, batch, backend, plan)
+
+
+def gemm_publishes(backend: str, x, packed, split: int, valid: int) -> bool:
+    """Whether ``moe_front``'s mailbox path at tp = 1 publishes from the front GEMM's epilogue
+    (``gemm_exchange_route``): wherever the direct path runs the front GEMM kernel for these shapes,
+    so that both paths multiply alike and give the same bits."""
+    return backends.runs_kernel("front_gemm", backend, x, packed, split, valid)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("split", "valid", "backend", "plan"), donate_argnames="mailbox"
+)
+def gemm_exchange_route(
+    mailbox: Mailbox,
+    x: jax.Array,
+    packed: jax.Array,
+    bias: jax.Array,
+    *,
+    split: int,
+    valid: int,
+    backend: str = "auto",
+    plan: bool = False,
+) -> tuple:
+    """``exchange_route`` at tp = 1 with the publish done by the front GEMM kernel's epilogue
+    (``front_gemm.front_gemm_publish``): the logits and latent go from the GEMM's registers into the
+    mailbox, and no publish kernel runs.
+
+    Args:
+      mailbox: the ``Mailbox`` (tp = 1, armed).
+      x, packed, split, valid: ``front_gemm``'s arguments.
+      bias, backend, plan: as for ``exchange_route``; ``backend`` must run the front GEMM kernel
+        (``gemm_publishes``).
+
+    Returns:
+      As ``exchange_route``.
+    """
+    from moe_front_jax.pallas import front_gemm
+
+    mailbox, status = front_gemm.front_gemm_publish(
+        x, packed, split, valid, mailbox, interpret=backend == "interpret"
     )
+    return _route_published(mailbox, status, bias, x.shape[0], backend, plan)
+
+
+def _route_published(mailbox: Mailbox, status, bias, batch: int, backend: str, plan: bool) -> tuple:
+    """``exchange_route`` after the publish: collect, route and plan, or ``route_collect``."""
+    from moe_front_jax.pallas import route_collect
+
+    cfg = mailbox.cfg
+    route = backends.stage("route", backend)
+    if plan and route is not backends.REFERENCE["route"] and route_collect.fuses_plan(cfg):
+        if status is None:
+            status = jnp.zeros((), jnp.int32)
+        return route_collect.route_collect(
+            mailbox, status, bias, batch, with_plan=True, interpret=backend == "interpret"
+        )
+    logits, latent, status, mailbox = _collect_published(mailbox, batch, status, backend)
+    ids, weights = route(logits, bias, cfg)
+    planned = backends.stage("plan", backend)(latent, cfg.plan_block) if plan else None
+    return ids, weights, logits, latent, planned, status, mailbox

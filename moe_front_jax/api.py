@@ -157,23 +157,28 @@ def moe_front(
         )
     status = jnp.zeros((), jnp.int32)
     planned = None
-    gemm_plan = backends.stage("front_gemm_plan", backend)
-    if plan and mailbox is None and gemm_plan is not backends.REFERENCE["front_gemm_plan"]:
-        # The kernel writes the plan from the GEMM's epilogue: no second pass over the latent.
-        logits, latent, planned = gemm_plan(
-            x, params.packed, params.split, cfg.experts_per_rank, cfg.plan_block
+    gemm_args = (x, params.packed, params.split, cfg.experts_per_rank)
+    if mailbox is not None and mailboxes.gemm_publishes(backend, *gemm_args):
+        # The front GEMM kernel's epilogue publishes into the mailbox: no publish kernel.
+        ids, weights, logits, latent, planned, status, mailbox = mailboxes.gemm_exchange_route(
+            mailbox, x, params.packed, params.bias, split=params.split,
+            valid=cfg.experts_per_rank, backend=backend, plan=plan,
         )
-    else:
-        gemm = backends.stage("front_gemm", backend)
-        logits, latent = gemm(x, params.packed, params.split, cfg.experts_per_rank)
-    if mailbox is None:
-        ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
-        if plan and planned is None:  # XLA's GEMM ("auto" on a GPU), then the plan stage
-            planned = backends.stage("plan", backend)(latent, cfg.plan_block)
-    else:
+    elif mailbox is not None:
+        logits, latent = backends.stage("front_gemm", backend)(*gemm_args)
         ids, weights, logits, latent, planned, status, mailbox = mailboxes.exchange_route(
             mailbox, logits, latent, params.bias, backend=backend, plan=plan
         )
+    else:
+        gemm_plan = backends.stage("front_gemm_plan", backend)
+        if plan and gemm_plan is not backends.REFERENCE["front_gemm_plan"]:
+            # The kernel writes the plan from the GEMM's epilogue: no second pass over the latent.
+            logits, latent, planned = gemm_plan(*gemm_args, cfg.plan_block)
+        else:
+            logits, latent = backends.stage("front_gemm", backend)(*gemm_args)
+            if plan:  # XLA's GEMM ("auto" on a GPU), then the plan stage
+                planned = backends.stage("plan", backend)(latent, cfg.plan_block)
+        ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
     shared = None
     if params.has_shared:
         shared = backends.stage("shared_expert", backend)(

@@ -96,6 +96,16 @@ def stage(name: str, backend: str) -> Callable:
     return functools.partial(_load(KERNELS[name]), interpret=backend == "interpret")
 
 
+def runs_kernel(name: str, backend: str, *args) -> bool:
+    """Whether stage ``name`` under ``backend`` runs its Pallas kernel (in interpret mode or not) for
+    these arguments, rather than the reference: what ``stage(name, backend)(*args)`` will run."""
+    if stage(name, backend) is REFERENCE[name]:
+        return False
+    if backend == "auto" and name in AUTO_BY_SHAPE:
+        return _load(AUTO_BY_SHAPE[name])(*args)
+    return True
+
+
 @functools.cache
 def _by_shape(name: str) -> Callable:
     """Stage ``name`` under ``"auto"`` on a GPU: its kernel where ``AUTO_BY_SHAPE[name]`` says so for

@@ -77,6 +77,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from moe_front_jax.bridge import mailbox as mb
 from moe_front_jax.pallas.plan import quantize_tile
 from moe_front_jax.pallas.streaming import (
     MAX_BATCH,
@@ -210,6 +211,7 @@ class Geometry:
     valid: int
     block: int | None
     config: FrontGemmConfig
+    publish: bool = False
 
     @property
     def shard(self) -> int:
@@ -220,12 +222,19 @@ class Geometry:
         return padded_batch(self.batch)
 
     @property
+    def tile_rows(self) -> int:
+        """Rows per tile: ``block_rows``, or two one-row blocks where a vector schedule of one-row
+        blocks publishes (a mailbox word holds two latent columns)."""
+        bn = self.config.block_rows
+        return 2 if self.publish and bn == 1 else bn
+
+    @property
     def router_tiles(self) -> int:
-        return -(-self.valid // self.config.block_rows)
+        return -(-self.valid // self.tile_rows)
 
     @property
     def tiles(self) -> int:
-        return self.router_tiles + -(-self.shard // self.config.block_rows)
+        return self.router_tiles + -(-self.shard // self.tile_rows)
 
     @property
     def k_chunk(self) -> int:
@@ -233,17 +242,20 @@ class Geometry:
 
 
 def _tile_rows(g: Geometry, tile):
-    """Tile ``tile``'s first packed row, whether it is a latent tile, and its rows' mask
-    ``[block_rows, 1]`` (rows past its region off)."""
-    bn = g.config.block_rows
+    """Tile ``tile``'s first packed row, whether it is a latent tile, and the end of its region (the
+    first row past it)."""
     is_latent = tile >= g.router_tiles
     latent_tile = is_latent.astype(jnp.int32)
     # Latent tiles restart at ``split``; arithmetic rather than a scalar select, which the Triton
     # lowering mistypes.
-    first_row = tile * bn + latent_tile * (g.split - g.router_tiles * bn)
+    first_row = tile * g.tile_rows + latent_tile * (g.split - g.router_tiles * g.tile_rows)
     end_row = g.valid + latent_tile * (g.rows - g.valid)
-    row_ok = (first_row + lax.broadcasted_iota(jnp.int32, (bn, 1), 0)) < end_row
-    return first_row, is_latent, row_ok
+    return first_row, is_latent, end_row
+
+
+def _rows_ok(first_row, end_row, rows: int):
+    """``[rows, 1]``: which of the rows from ``first_row`` lie before ``end_row``."""
+    return (first_row + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)) < end_row
 
 
 FOLD_K = 2048
@@ -296,52 +308,122 @@ def _accumulate(x_ref, w_ref, g: Geometry, first_row, row_ok, batch_ok, step_lo,
     return total + acc
 
 
-def _store_tile(y, g: Geometry, first_row, is_latent, row_ok, batch_ok, logits_ref, latent_ref,
-                values_ref, scales_ref):
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+    """Where the epilogue puts a finished tile: the logits and latent refs (and the plan's), or the
+    mailbox's rows and the generation this call publishes (``front_gemm_publish``)."""
+
+    logits: object = None
+    latent: object = None
+    values: object = None
+    scales: object = None
+    buffer: object = None
+    generation: object = None
+
+
+def _outputs(g: Geometry, refs: list) -> tuple[_Outputs, object, object]:
+    """Split a kernel's refs after ``x`` and ``w``: the aliased inputs (counters, mailbox), then the
+    outputs in ``_call``'s order. Returns ``(outputs, partials_ref, counters_ref)``; with the mailbox
+    this also opens the call's generation (``_open_generation``)."""
+    workspace = bool(g.config.programs) or g.config.split_k > 1
+    refs = refs[int(workspace) + 2 * g.publish:]  # inputs aliased to outputs: use the outputs
+    if g.publish:
+        buffer_ref, control_ref, status_ref, *refs = refs
+        outs = _Outputs(buffer=buffer_ref,
+                        generation=_open_generation(buffer_ref, control_ref, status_ref))
+    else:
+        logits_ref, latent_ref, *refs = refs
+        plan = (refs.pop(0), refs.pop(0)) if g.block is not None else (None, None)
+        outs = _Outputs(logits_ref, latent_ref, *plan)
+    partials_ref, counters_ref = refs if workspace else (None, None)
+    return outs, partials_ref, counters_ref
+
+
+def _open_generation(buffer_ref, control_ref, status_ref):
+    """The generation a publish writes, ``(control[0] + 1) mod G``, as ``mailbox.publish`` has it.
+    Every program stores it into ``control[1]`` and zero into the status word: values no program of
+    this grid reads."""
+    generation = (control_ref[0] + 1) % buffer_ref.shape[0]
+    control_ref[1] = generation
+    status_ref[0] = jnp.int32(0)
+    return generation
+
+
+def logit_words(y):
+    """float32 logits as canonical mailbox words, uint32 of the same shape (-0.0 becomes +0.0)."""
+    words = lax.bitcast_convert_type(y, jnp.uint32)
+    return jnp.where(words == jnp.uint32(mb.SENTINEL), jnp.uint32(0), words)
+
+
+def latent_word_pairs(lo, hi):
+    """Canonical mailbox words from bfloat16 latent columns ``2i`` (``lo``) and ``2i + 1`` (``hi``):
+    the low and high halves, a -0 (``0x8000``) becoming +0."""
+    def half(v):
+        bits = lax.bitcast_convert_type(v, jnp.uint16).astype(jnp.uint32)
+        return jnp.where(bits == jnp.uint32(0x8000), jnp.uint32(0), bits)
+
+    return half(lo) | (half(hi) << 16)
+
+
+def latent_words_of(latent):
+    """``[..., n]`` bfloat16 (``n`` even) as canonical words ``[..., n/2]`` (Triton's split of a
+    trailing pair)."""
+    pairs = latent.reshape(*latent.shape[:-1], latent.shape[-1] // 2, 2)
+    return latent_word_pairs(*lax.unstack(pairs, axis=pairs.ndim - 1))
+
+
+def _store_tile(y, g: Geometry, first_row, is_latent, row_ok, batch_ok, outs: _Outputs):
     """The finished tile ``y`` ``[block_rows, batch_tile]`` float32 to the logits, or to the latent
-    (bfloat16) and, with the plan, its MXFP8 values and scales."""
+    (bfloat16) and, with the plan, its MXFP8 values and scales; with the mailbox, as canonical words
+    into the rows of the generation published."""
     bn, bp = g.config.block_rows, g.batch_tile
     out_ok = row_ok.T & batch_ok  # [batch_tile, block_rows]
 
     @pl.when(jnp.logical_not(is_latent))
     def _():
-        plgpu.store(logits_ref.at[pl.ds(0, bp), pl.ds(first_row, bn)], y.T, mask=out_ok)
+        if g.publish:
+            cells = outs.buffer.at[outs.generation, pl.ds(0, bp),
+                                   pl.ds(g.shard // 2 + first_row, bn)]
+            plgpu.store(cells, logit_words(y.T), mask=out_ok)
+        else:
+            plgpu.store(outs.logits.at[pl.ds(0, bp), pl.ds(first_row, bn)], y.T, mask=out_ok)
 
     @pl.when(is_latent)
     def _():
         column = first_row - g.split
         latent = y.T.astype(jnp.bfloat16)  # [batch_tile, block_rows], as stored
-        plgpu.store(latent_ref.at[pl.ds(0, bp), pl.ds(column, bn)], latent, mask=out_ok)
+        if g.publish:
+            words_left = (g.shard - column) // 2
+            word_ok = batch_ok & (lax.broadcasted_iota(jnp.int32, (1, bn // 2), 1) < words_left)
+            cells = outs.buffer.at[outs.generation, pl.ds(0, bp), pl.ds(column // 2, bn // 2)]
+            plgpu.store(cells, latent_words_of(latent), mask=word_ok)
+            return
+        plgpu.store(outs.latent.at[pl.ds(0, bp), pl.ds(column, bn)], latent, mask=out_ok)
         if g.block is not None:
             nb = bn // g.block
             values, scales = quantize_tile(latent, g.block)  # [batch_tile, bn], [batch_tile, nb]
-            plgpu.store(values_ref.at[pl.ds(0, bp), pl.ds(column, bn)], values, mask=out_ok)
+            plgpu.store(outs.values.at[pl.ds(0, bp), pl.ds(column, bn)], values, mask=out_ok)
             blocks_left = (g.shard - column) // g.block
             block_ok = batch_ok & (lax.broadcasted_iota(jnp.int32, (1, nb), 1) < blocks_left)
-            plgpu.store(scales_ref.at[pl.ds(0, bp), pl.ds(column // g.block, nb)], scales,
+            plgpu.store(outs.scales.at[pl.ds(0, bp), pl.ds(column // g.block, nb)], scales,
                         mask=block_ok)
 
 
 def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     """One program of the ``split_k x tiles`` grid: chunk ``part`` of K of tile ``tile``."""
     g, cfg = geometry, geometry.config
-    split_k, plan = cfg.split_k, g.block is not None
-    if split_k > 1:
-        refs = refs[1:]  # the counters' input ref; its aliased output ref comes last
-    logits_ref, latent_ref, *refs = refs
-    values_ref, scales_ref = (refs.pop(0), refs.pop(0)) if plan else (None, None)
-    partials_ref, counters_ref = refs if split_k > 1 else (None, None)
+    outs, partials_ref, counters_ref = _outputs(g, list(refs))
     part, tile = pl.program_id(0), pl.program_id(1)
-    first_row, is_latent, row_ok = _tile_rows(g, tile)
+    first_row, is_latent, end_row = _tile_rows(g, tile)
+    row_ok = _rows_ok(first_row, end_row, cfg.block_rows)
     batch_ok = lax.broadcasted_iota(jnp.int32, (g.batch_tile, 1), 0) < g.batch
     steps = g.k_chunk // cfg.block_k
     acc = _accumulate(x_ref, w_ref, g, first_row, row_ok, batch_ok, part * steps, part * steps + steps,
                       steps)
     finish_split_k(
-        [acc], partials_ref, counters_ref, split_k=split_k, part=part, tile=tile,
+        [acc], partials_ref, counters_ref, split_k=cfg.split_k, part=part, tile=tile,
         mask=batch_ok.T, interpret=interpret,
-        epilogue=lambda y: _store_tile(y, g, first_row, is_latent, row_ok, batch_ok, logits_ref,
-                                       latent_ref, values_ref, scales_ref),
+        epilogue=lambda y: _store_tile(y, g, first_row, is_latent, row_ok, batch_ok, outs),
     )
 
 
@@ -364,16 +446,13 @@ class StreamK:
         return self.share // self.steps + 2
 
 
-def _stream_k_kernel(x_ref, w_ref, counters_in, *refs, geometry: Geometry, interpret: bool):
+def _stream_k_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     """One stream-K program: its run of iterations, tile by tile. Each tile segment's float32
     partial goes to the workspace (slot ``[program, segment]``) and takes a ticket from the tile's
     counter; the tile's last contributor to arrive sums the contributors' partials in program order
     (so results do not depend on arrival order) and stores the tile."""
-    del counters_in  # aliased to the counters output, the last of ``refs``
     g, cfg = geometry, geometry.config
-    logits_ref, latent_ref, *refs = refs
-    values_ref, scales_ref = (refs.pop(0), refs.pop(0)) if g.block is not None else (None, None)
-    partials_ref, counters_ref = refs
+    outs, partials_ref, counters_ref = _outputs(g, list(refs))
     sk = StreamK(g.tiles, g.hidden // cfg.block_k, cfg.programs)
     steps, share = sk.steps, sk.share
     program = pl.program_id(0)
@@ -387,7 +466,8 @@ def _stream_k_kernel(x_ref, w_ref, counters_in, *refs, geometry: Geometry, inter
 
         @pl.when((lo < hi) & (tile < g.tiles))
         def _():
-            first_row, is_latent, row_ok = _tile_rows(g, tile)
+            first_row, is_latent, end_row = _tile_rows(g, tile)
+            row_ok = _rows_ok(first_row, end_row, cfg.block_rows)
             acc = _accumulate(x_ref, w_ref, g, first_row, row_ok, batch_ok, lo, hi,
                               min(share, steps))
             plgpu.store(partials_ref.at[program, jnp.int32(segment)], acc, mask=batch_ok.T)
@@ -406,31 +486,52 @@ def _stream_k_kernel(x_ref, w_ref, counters_in, *refs, geometry: Geometry, inter
 
                 zeros = jnp.zeros(acc.shape, jnp.float32)
                 y = lax.fori_loop(first_program, last_program + 1, add, zeros)
-                _store_tile(y, g, first_row, is_latent, row_ok, batch_ok, logits_ref, latent_ref,
-                            values_ref, scales_ref)
+                _store_tile(y, g, first_row, is_latent, row_ok, batch_ok, outs)
 
 
-def _vector_kernel(x_ref, w_ref, logits_ref, latent_ref, *, geometry: Geometry, interpret: bool):
+def _vector_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     """One program of the vector schedule: tile ``tile``'s rows over all of K on the CUDA cores
-    (``streaming.vector_stream``); no partial leaves the program."""
+    (``streaming.vector_stream``); no partial leaves the program.
+
+    Publishing with one-row blocks, a program computes two of them (its tile is two rows), each as
+    the one-row schedule does (so the same bits), and stores their pair of latent columns as one
+    mailbox word."""
     del interpret
     g, bn = geometry, geometry.config.block_rows
-    first_row, is_latent, row_ok = _tile_rows(g, pl.program_id(0))
-    rows_mask = row_ok if g.valid % bn or g.shard % bn else None
-    (ys,) = vector_stream(x_ref, w_ref, (first_row,), batch=g.batch, depth=g.hidden,
-                          config=g.config, rows_mask=rows_mask)
-    out_ok = row_ok.reshape(bn)
-    for b, y in enumerate(ys):  # y: [block_rows]
+    outs, _, _ = _outputs(g, list(refs))
+    first_row, is_latent, end_row = _tile_rows(g, pl.program_id(0))
+    firsts = tuple(first_row + j * bn for j in range(g.tile_rows // bn))
+    masks = [_rows_ok(first, end_row, bn) for first in firsts]
+    ragged = g.valid % g.tile_rows or g.shard % g.tile_rows
+    blocks = vector_stream(x_ref, w_ref, firsts, batch=g.batch, depth=g.hidden, config=g.config,
+                           rows_masks=masks if ragged else None)
+    for b in range(g.batch):
         row = jnp.int32(b)
+        ys = [block[b] for block in blocks]  # each [block_rows] float32
 
         @pl.when(jnp.logical_not(is_latent))
         def _():
-            plgpu.store(logits_ref.at[row, pl.ds(first_row, bn)], y, mask=out_ok)
+            for first, y, mask in zip(firsts, ys, masks):
+                if g.publish:
+                    cells = outs.buffer.at[outs.generation, row, pl.ds(g.shard // 2 + first, bn)]
+                    plgpu.store(cells, logit_words(y), mask=mask.reshape(bn))
+                else:
+                    plgpu.store(outs.logits.at[row, pl.ds(first, bn)], y, mask=mask.reshape(bn))
 
         @pl.when(is_latent)
         def _():
-            plgpu.store(latent_ref.at[row, pl.ds(first_row - g.split, bn)],
-                        y.astype(jnp.bfloat16), mask=out_ok)
+            column = first_row - g.split
+            latent = [y.astype(jnp.bfloat16) for y in ys]
+            if not g.publish:
+                plgpu.store(outs.latent.at[row, pl.ds(column, bn)], latent[0],
+                            mask=masks[0].reshape(bn))
+                return
+            # The shard is even and its tiles start at even columns: a pair is in or out together.
+            words = latent_word_pairs(*latent) if len(latent) == 2 else latent_words_of(latent[0])
+            n = g.tile_rows // 2
+            word_ok = lax.broadcasted_iota(jnp.int32, (n,), 0) < (g.shard - column) // 2
+            plgpu.store(outs.buffer.at[outs.generation, row, pl.ds(column // 2, n)], words,
+                        mask=word_ok)
 
 
 def _check(x, packed, split, valid, block) -> None:
@@ -488,15 +589,22 @@ def _resolve(config, valid, shard, hidden, batch, block) -> FrontGemmConfig:
     return config
 
 
-def _call(x, packed, split, valid, block, interpret, config):
+def _call(x, packed, split, valid, block, interpret, config, mailbox=None):
     _check(x, packed, split, valid, block)
     (batch, hidden), rows = x.shape, packed.shape[0]
     config = _resolve(config, valid, rows - split, hidden, batch, block)
-    g = Geometry(batch, hidden, rows, split, valid, block, config)
-    out_shape = [
-        jax.ShapeDtypeStruct((batch, valid), jnp.float32),
-        jax.ShapeDtypeStruct((batch, g.shard), jnp.bfloat16),
-    ]
+    g = Geometry(batch, hidden, rows, split, valid, block, config, publish=mailbox is not None)
+    if g.publish:
+        out_shape = [
+            jax.ShapeDtypeStruct(mailbox.buffer.shape, jnp.uint32),
+            jax.ShapeDtypeStruct(mailbox.control.shape, jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32),
+        ]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((batch, valid), jnp.float32),
+            jax.ShapeDtypeStruct((batch, g.shard), jnp.bfloat16),
+        ]
     if block is not None:
         out_shape += [
             jax.ShapeDtypeStruct((batch, g.shard), jnp.float8_e4m3fn),
@@ -524,6 +632,10 @@ def _call(x, packed, split, valid, block, interpret, config):
             args += counters
             aliases = {2: len(out_shape) - 1}
         kernel, grid = _kernel, (config.split_k, g.tiles)
+    if g.publish:  # the mailbox's buffer and control words, updated in place
+        aliases |= {len(args): 0, len(args) + 1: 1}
+        args += [mailbox.buffer, mailbox.control]
+    name = "front_gemm_publish" if g.publish else "front_gemm_plan" if block is not None else "front_gemm"
     outs = pl.pallas_call(
         functools.partial(kernel, geometry=g, interpret=interpret),
         out_shape=out_shape,
@@ -533,7 +645,7 @@ def _call(x, packed, split, valid, block, interpret, config):
         compiler_params=plgpu.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages
         ),
-        name="front_gemm_plan" if block is not None else "front_gemm",
+        name=name,
     )(*args)
     return outs
 
@@ -602,3 +714,55 @@ def front_gemm_plan(
     """
     logits, latent, values, scales, *_ = _call(x, packed, split, valid, block, interpret, config)
     return logits, latent, (values, lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu))
+
+
+def front_gemm_publish(
+    x: jax.Array,
+    packed: jax.Array,
+    split: int,
+    valid: int,
+    mailbox: mb.Mailbox,
+    *,
+    interpret: bool = False,
+    config: FrontGemmConfig | None = None,
+) -> tuple[mb.Mailbox, jax.Array]:
+    """``front_gemm`` whose epilogue publishes into a tp = 1 mailbox instead of writing the logits and
+    latent: ``mailbox.publish(mailbox, *front_gemm(x, packed, split, valid))`` in one kernel, the
+    logits and latent never written elsewhere (SPEC section 7).
+
+    Each finished tile goes straight into rows ``[0, B)`` of generation ``g = (control[0] + 1) mod G``
+    as canonical words (-0 becomes +0): a router tile's float32 bits at words ``L/2 + e``, a latent
+    tile's bfloat16 columns in pairs, ``2i`` the low half of word ``i``. Every program records ``g``
+    in ``control[1]`` and zeroes the status word. The schedule is ``front_gemm``'s (the same config
+    for the same shapes), so the words hold exactly the canonical bits of ``front_gemm``'s outputs.
+
+    Args:
+      x, packed, split, valid, interpret, config: as for ``front_gemm``; ``valid`` must be the
+        mailbox's experts and ``n - split`` its latent width.
+      mailbox: a ``Mailbox`` of a tp = 1 config, with room for ``B`` rows; updated in place (donate it).
+
+    Returns:
+      ``(mailbox, status)``: the mailbox published into, and the zeroed int32 status word that the
+      collect takes (``triton_mailbox.collect``).
+
+    Raises:
+      ValueError: as for ``front_gemm``; a wrong mailbox, one of tp > 1, a batch over its capacity,
+        or shapes that disagree with its config.
+      NotImplementedError: as for ``front_gemm``.
+
+    Cost: ``front_gemm``'s, its outputs' bytes written as mailbox words instead (``4 B E + 2 B L``);
+    the words of the control and status, and no second kernel.
+    """
+    cfg = mb.mailbox_config(mailbox)
+    _check(x, packed, split, valid, None)
+    mb.check_mailbox(mailbox, cfg, x.shape[0])
+    if cfg.tp != 1:
+        raise ValueError(f"front_gemm_publish publishes one device's rows (tp=1), got a mailbox for "
+                         f"tp={cfg.tp}")
+    if (valid, packed.shape[0] - split) != (cfg.experts, cfg.latent):
+        raise ValueError(
+            f"the GEMM's valid={valid} router rows and {packed.shape[0] - split} latent rows must be "
+            f"the mailbox's experts={cfg.experts} and latent={cfg.latent}"
+        )
+    buffer, control, status, *_ = _call(x, packed, split, valid, None, interpret, config, mailbox)
+    return mb.Mailbox(buffer, control, cfg), status.reshape(())

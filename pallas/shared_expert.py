@@ -276,7 +276,7 @@ def _vector_kernel(x_ref, w_ref, out_ref, *, geometry: Geometry, situ, out_dtype
     ragged = g.rows % bn != 0
     first_rows = (first_row, first_row + g.rows) if situ else (first_row,)
     parts = vector_stream(x_ref, w_ref, first_rows, batch=g.batch, depth=g.depth, config=g.config,
-                          rows_mask=row_ok[:, None] if ragged else None)
+                          rows_masks=[row_ok[:, None]] * len(first_rows) if ragged else None)
     for b in range(g.batch):  # each part's [block_rows] float32 sums of batch row b
         if situ:
             gate, up = (part[b].astype(jnp.bfloat16) for part in parts)

@@ -148,9 +148,11 @@ def masked_load(ref, mask, eviction_policy=None):
 
 
 def vector_stream(x_ref, w_ref, first_rows, *, batch: int, depth: int, config: GemmConfig,
-                  rows_mask) -> list[list[jax.Array]]:
+                  rows_masks) -> list[list[jax.Array]]:
     """The vector schedule's pass over all of K: for each row block starting at one of
     ``first_rows`` and each of the ``batch`` rows of ``x``, the ``[block_rows]`` float32 dot products.
+    ``rows_masks``: None, or per block a ``[block_rows, 1]`` mask of the rows to read (zeros
+    elsewhere).
 
     The K steps are unrolled (no loop): Triton pipelines only loads that feed a dot, so the loads of
     a loop would wait one by one, where straight-line code lets the compiler issue a program's loads
@@ -165,8 +167,9 @@ def vector_stream(x_ref, w_ref, first_rows, *, batch: int, depth: int, config: G
     accs = [[jnp.zeros((bn, bk), jnp.float32) for _ in range(batch)] for _ in first_rows]
     for k in range(0, depth, bk):
         # The weight is read once per call: first out of L2, so x stays.
-        ws = [masked_load(w_ref.at[pl.ds(first, bn), pl.ds(k, bk)], rows_mask, "evict_first")
-              for first in first_rows]
+        ws = [masked_load(w_ref.at[pl.ds(first, bn), pl.ds(k, bk)],
+                          None if rows_masks is None else mask, "evict_first")
+              for first, mask in zip(first_rows, rows_masks or [None] * len(first_rows))]
         xs = [plgpu.load(x_ref.at[pl.ds(b, 1), pl.ds(k, bk)]).astype(jnp.float32)
               for b in range(batch)]
         for part, w in enumerate(ws):

@@ -177,6 +177,104 @@ def test_moe_front_takes_the_plan_from_the_gemm_epilogue(monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+# A mailbox row of 26 experts and 36 latent columns (18 latent words) at tp = 1: tiles of every
+# schedule that run past their region, and one-row vector blocks, published in pairs.
+PUBLISH_CFG = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=26, top_k=4, latent=36, shared=0,
+                             plan_block=4)
+PUBLISH_CONFIGS = [
+    Cfg(16, 64, 1, 4, 3),
+    Cfg(16, 64, 2, 4, 3),
+    Cfg(32, 32, 1, 4, 3, programs=5),
+    Cfg(1, 64, 1, 4, 3, vector=True),
+    Cfg(2, 128, 1, 4, 3, vector=True),
+    Cfg(8, 64, 1, 4, 3, vector=True),
+]
+
+
+def publish_operands(batch, seed):
+    cfg = PUBLISH_CFG
+    split = padded_split(cfg.experts)
+    x, w = exact_operands(batch, cfg.experts, split, cfg.latent, cfg.hidden, seed=seed)
+    return x, w, split
+
+
+@pytest.mark.parametrize("config", PUBLISH_CONFIGS)
+def test_interpret_publish_equals_publishing_the_outputs(config):
+    """``front_gemm_publish`` leaves in the mailbox exactly what ``mailbox.publish`` (plain JAX) leaves
+    from ``front_gemm``'s outputs with the same schedule, generation by generation."""
+    from moe_front_jax.bridge import mailbox as mb
+
+    cfg = PUBLISH_CFG
+    got_box = mf.Mailbox.create(cfg, capacity=8, generations=2)
+    want_box = mf.Mailbox.create(cfg, capacity=8, generations=2)
+    for step, batch in enumerate((3, 8, 1)):
+        x, w, split = publish_operands(batch, seed=step)
+        logits, latent = fg.front_gemm(x, w, split, cfg.experts, interpret=True, config=config)
+        want_box = mb.publish(want_box, logits, latent, backend="xla")
+        got_box, status = fg.front_gemm_publish(x, w, split, cfg.experts, got_box, interpret=True,
+                                                config=config)
+        assert status.shape == () and int(status) == 0
+        np.testing.assert_array_equal(np.asarray(got_box.control), np.asarray(want_box.control))
+        np.testing.assert_array_equal(np.asarray(got_box.buffer), np.asarray(want_box.buffer))
+        *_, want_box = mb.collect(want_box, batch, backend="xla")  # re-arm both alike
+        *_, got_box = mb.collect(got_box, batch, backend="xla")
+
+
+def test_epilogue_words_canonicalize_negative_zero():
+    """The epilogue's word helpers against the SPEC's rule, in numpy: -0 (float32 or bfloat16)
+    becomes +0, and the smallest negative subnormals, which share its sign bit, pass unchanged. (A
+    GEMM on the CPU cannot give a -0: its float32 sums start at +0 and flush subnormals.)"""
+    logits = np.array([[-0.0, 0.0, 1.5, -2.0]], np.float32)
+    logits[0, 1] = np.array([0x80000001], np.uint32).view(np.float32)[0]
+    want = logits.view(np.uint32).copy()
+    want[0, 0] = 0
+    np.testing.assert_array_equal(np.asarray(fg.logit_words(jnp.asarray(logits))), want)
+    halves = np.array([[0x8000, 0x8000, 0x8001, 0x8000, 0x3F80, 0xBF80]], np.uint16)
+    latent = jnp.asarray(halves.view(ml_dtypes.bfloat16))
+    canonical = np.where(halves == 0x8000, 0, halves).astype(np.uint32)
+    want = canonical[:, 0::2] | (canonical[:, 1::2] << 16)
+    np.testing.assert_array_equal(np.asarray(fg.latent_words_of(latent)), want)
+    np.testing.assert_array_equal(
+        np.asarray(fg.latent_word_pairs(latent[:, 0::2], latent[:, 1::2])), want)
+
+
+def test_publish_errors():
+    cfg = PUBLISH_CFG
+    x, w, split = publish_operands(3, seed=0)
+    box = mf.Mailbox.create(cfg, capacity=2)
+    with pytest.raises(ValueError, match="over the mailbox capacity 2"):
+        fg.front_gemm_publish(x, w, split, cfg.experts, box)
+    box = mf.Mailbox.create(cfg, capacity=4)
+    with pytest.raises(ValueError, match="valid=25 router rows and 36 latent rows must be the "
+                                         "mailbox's experts=26 and latent=36"):
+        fg.front_gemm_publish(x, w, split, cfg.experts - 1, box)
+    tp2 = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=26, top_k=4, latent=36, shared=0, tp=2,
+                         plan_block=2)
+    with pytest.raises(ValueError, match="one device's rows \\(tp=1\\), got a mailbox for tp=2"):
+        fg.front_gemm_publish(x, w, split, cfg.experts, mf.Mailbox.create(tp2, capacity=4))
+    with pytest.raises(ValueError, match="mailbox must be a Mailbox"):
+        fg.front_gemm_publish(x, w, split, cfg.experts, box.buffer)
+
+
+def test_publish_lowers_for_h200_as_one_kernel_updating_the_mailbox_in_place():
+    """At Kimi-K3's tp = 1 shapes, with the tuned schedules of every kind (vector at B = 1 and 2,
+    stream-K at B = 8 and 64, split-K at B = 256): one Triton kernel whose outputs 0 and 1 are the
+    mailbox's buffer and control operands, and no cast, slice or dot around it."""
+    valid, split, shard = k3_shape(1)
+    w = jnp.zeros((split + shard, K3.hidden), jnp.bfloat16)
+    box = mf.Mailbox.create(K3, capacity=256)
+    for batch in (1, 2, 8, 64, 256):
+        x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
+        text = lower_for_h200(
+            lambda x, w, box: fg.front_gemm_publish(x, w, split, valid, box), x, w, box)
+        assert text.count("__gpu$xla.gpu.triton") == 1
+        operands = 3 if batch >= 8 else 2  # the zeroed counters come first
+        for output, operand in ((0, operands), (1, operands + 1)):
+            assert (f"output_tuple_indices = [{output}], operand_index = {operand}" in text), batch
+        for op in ("stablehlo.convert", "stablehlo.slice", "stablehlo.dot_general"):
+            assert op not in text, (batch, op)
+
+
 @pytest.mark.parametrize("programs", [0, 264])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
 def test_lowers_for_h200_as_one_kernel(tp, programs):

@@ -5,6 +5,7 @@ and from numpy views of the raw words, never from the mailbox code. Canonicaliza
 is applied to the expected values by ``canonical_*`` below, in numpy.
 """
 
+import re
 import time
 
 import jax
@@ -138,15 +139,18 @@ def test_create_rejects_odd_latent_shard():
         mf.Mailbox.create("K3")
 
 
-def test_mailbox_output_equals_direct_over_steps(small_params):
-    step = jax.jit(mf.moe_front, static_argnames="plan", donate_argnames="mailbox")
-    direct = jax.jit(mf.moe_front, static_argnames="plan")
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_mailbox_output_equals_direct_over_steps(small_params, backend):
+    """On ``"interpret"`` the front GEMM kernel publishes from its epilogue and the routing kernel
+    collects (``plan=True``); on ``"xla"`` the plain-JAX protocol runs."""
+    step = jax.jit(mf.moe_front, static_argnames=("plan", "backend"), donate_argnames="mailbox")
+    direct = jax.jit(mf.moe_front, static_argnames=("plan", "backend"))
     box = mf.Mailbox.create(SMALL, capacity=8)
     plan_of = jax.jit(reference.mxfp8_plan, static_argnums=1)
     for t, batch in enumerate([3, 8, 3, 8]):
         x = rows_of(SMALL, batch, seed=t)
-        want = direct(x, small_params, plan=True)
-        got, box = step(x, small_params, plan=True, mailbox=box)
+        want = direct(x, small_params, plan=True, backend=backend)
+        got, box = step(x, small_params, plan=True, backend=backend, mailbox=box)
         assert int(got.status) == 0
         assert_bits_equal(got.ids, want.ids)
         assert_bits_equal(got.weights, want.weights)
@@ -156,6 +160,18 @@ def test_mailbox_output_equals_direct_over_steps(small_params):
         assert_bits_equal(got.plan[0], plan[0])
         assert_bits_equal(got.plan[1], plan[1])
         assert_armed(box, t + 1)
+
+
+@pytest.mark.parametrize("plan, collector", [(False, "route"), (True, "route_collect")])
+def test_kernel_path_publishes_from_the_gemm_epilogue(small_params, plan, collector):
+    """Where the front GEMM kernel runs, the mailbox path is that kernel publishing from its epilogue
+    (no ``front_gemm`` writing logits and latent for a publish to copy), then the routing step."""
+    box = mf.Mailbox.create(SMALL, capacity=8)
+    jaxpr = str(jax.make_jaxpr(
+        lambda x, p, b: mf.moe_front(x, p, plan=plan, backend="interpret", mailbox=b)
+    )(rows_of(SMALL, 3, seed=0), small_params, box))
+    kernels = re.findall(r"\bfront_gemm\w*|\broute_collect\b|\broute\b(?!_)", jaxpr)
+    assert sorted(set(kernels)) == ["front_gemm_publish", collector]
 
 
 def test_kimi_k3_through_the_mailbox_equals_direct():
@@ -401,15 +417,19 @@ def k3_params():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "pallas"])
 @pytest.mark.parametrize("plan", [False, True])
-def test_gpu_mailbox_output_equals_direct_over_steps(k3_params, plan):
-    step = jax.jit(mf.moe_front, static_argnames="plan", donate_argnames="mailbox")
-    direct = jax.jit(mf.moe_front, static_argnames="plan")
+def test_gpu_mailbox_output_equals_direct_over_steps(k3_params, plan, backend):
+    """On ``"pallas"`` at every batch, and on ``"auto"`` at B = 1, the front GEMM kernel publishes
+    from its epilogue (tuned schedules: vector at B = 1-2, stream-K at B = 8 and 64, split-K at
+    B = 256)."""
+    step = jax.jit(mf.moe_front, static_argnames=("plan", "backend"), donate_argnames="mailbox")
+    direct = jax.jit(mf.moe_front, static_argnames=("plan", "backend"))
     box = mf.Mailbox.create(mf.KIMI_K3, capacity=256)
-    for t, batch in enumerate([1, 8, 64, 256, 3, 256]):
+    for t, batch in enumerate([1, 8, 64, 256, 3, 2, 256]):
         x = rows_of(mf.KIMI_K3, batch, seed=t)
-        want = direct(x, k3_params, plan=plan)
-        got, box = step(x, k3_params, plan=plan, mailbox=box)
+        want = direct(x, k3_params, plan=plan, backend=backend)
+        got, box = step(x, k3_params, plan=plan, backend=backend, mailbox=box)
         assert int(got.status) == 0
         assert_bits_equal(got.ids, want.ids)
         assert_bits_equal(got.weights, want.weights)
