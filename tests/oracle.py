@@ -53,6 +53,13 @@ def route(logits, bias, top_k, scale=1.0, renormalize=True):
     return ids, scaled.astype(BF16)
 
 
+def bf16_ulp(v) -> np.ndarray:
+    """The bfloat16 unit in the last place at magnitude ``v`` (float64 in and out; subnormals' ulp
+    below 2**-126)."""
+    exponent = np.floor(np.log2(np.maximum(np.abs(v), 2.0**-126)))
+    return np.exp2(exponent - 7)
+
+
 def bf16_ulp_distance(a, b) -> np.ndarray:
     """Distance in bfloat16 ulps (units in the last place) between bfloat16 arrays ``a`` and ``b``."""
 

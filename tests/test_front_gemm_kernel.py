@@ -453,13 +453,7 @@ def test_gpu_vector_schedule_matches_float64(tp):
         mag = np.maximum(np.abs(y), np.sqrt((y**2).mean(axis=1, keepdims=True)))
         assert (np.abs(np.asarray(logits, np.float64) - y[:, :valid]) <= 1e-5 * mag[:, :valid]).all()
         err = np.abs(np.asarray(latent.astype(jnp.float32), np.float64) - y[:, split:])
-        assert (err <= ulp_bf16(mag[:, split:])).all(), (tp, batch)
-
-
-def ulp_bf16(v):
-    """The bfloat16 unit in the last place at magnitude ``v`` (float64 in, float64 out)."""
-    exponent = np.floor(np.log2(np.maximum(np.abs(v), 2.0**-126)))
-    return np.exp2(exponent - 7)
+        assert (err <= oracle.bf16_ulp(mag[:, split:])).all(), (tp, batch)
 
 
 @pytest.mark.gpu
@@ -486,7 +480,7 @@ def test_gpu_matches_float64(tp, programs):
         mag = np.maximum(np.abs(y), rms)
         assert (np.abs(np.asarray(logits, np.float64) - y[:, :valid]) <= 1e-5 * mag[:, :valid]).all()
         err = np.abs(np.asarray(latent.astype(jnp.float32), np.float64) - y[:, split:])
-        assert (err <= ulp_bf16(mag[:, split:])).all(), (tp, batch, (err / ulp_bf16(mag[:, split:])).max())
+        assert (err <= oracle.bf16_ulp(mag[:, split:])).all(), (tp, batch, (err / oracle.bf16_ulp(mag[:, split:])).max())
 
         xe, we = exact_operands(batch, valid, split, cfg.latent_per_rank, K3.hidden, seed=tp)
         logits, latent = gemm(xe, we)

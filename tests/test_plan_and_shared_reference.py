@@ -115,6 +115,7 @@ def test_front_gemm_rank_layout(tp):
     full = x64 @ np.asarray(w[mf.params.GATE], np.float64).T
     latent = x64 @ np.asarray(w[mf.params.ROUTED_DOWN], np.float64).T
     bound = np.abs(x64) @ np.abs(np.asarray(w[mf.params.GATE], np.float64)).T
+    latent_bound = np.abs(x64) @ np.abs(np.asarray(w[mf.params.ROUTED_DOWN], np.float64)).T
     for r in range(tp):
         p = mf.pack_params(w, cfg, rank=r)
         assert p.split % 16 == 0 and p.split >= cfg.experts_per_rank
@@ -125,5 +126,7 @@ def test_front_gemm_rank_layout(tp):
         cols = slice(r * cfg.experts_per_rank, (r + 1) * cfg.experts_per_rank)
         assert (np.abs(np.asarray(logits) - full[:, cols]) <= 1e-5 * bound[:, cols]).all()
         lat = slice(r * cfg.latent_per_rank, (r + 1) * cfg.latent_per_rank)
-        want = latent[:, lat].astype(ml_dtypes.bfloat16)
-        assert oracle.bf16_ulp_distance(np.asarray(shard), want).max() <= 1
+        # The float32 sum's error (relative to sum |x w|, which cancellation can make far larger
+        # than the value), then one bfloat16 rounding: within one ulp of the float64 value plus it.
+        err = np.abs(np.asarray(shard, np.float64) - latent[:, lat])
+        assert (err <= oracle.bf16_ulp(latent[:, lat]) + 1e-5 * latent_bound[:, lat]).all()
