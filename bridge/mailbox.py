@@ -76,7 +76,11 @@ jax-triton 0.3.1 cannot be imported without a GPU jaxlib) and this module's plai
 ``"pallas"`` asks for the kernels; ``"xla"`` and ``"interpret"`` run the plain-JAX protocol.
 ``exchange_route`` (the path of ``moe_front``) with ``plan=True`` collects with the routing kernel
 instead (``pallas/route_collect.py``) wherever that kernel runs: on a GPU after the kernels' publish,
-and in interpret mode after the plain-JAX publish.
+and in interpret mode after the plain-JAX publish. At tp = 1, wherever the direct path runs the front
+GEMM kernel (``"pallas"``, ``"interpret"``, and ``"auto"`` at the shapes its table gives the kernel),
+``moe_front`` publishes from that kernel's epilogue instead (``gemm_exchange_route``,
+``front_gemm.front_gemm_publish``): the same words, with no publish kernel and no logits or latent
+written first; the collect then runs as above.
 
 Transports (``exchange``'s ``transport``): ``"gather"`` (the default) gathers the ranks' shards with
 one XLA all-gather and publishes them locally (with the GPU kernels: tp = 1 only); ``"peer"`` runs the

@@ -106,7 +106,8 @@ def moe_front(
       mailbox: a ``Mailbox``: the logits and latent shard travel through it (published, polled,
         copied out, re-armed; SPEC section 7) before routing; with ``plan=True`` the routing
         kernel, where it runs, polls the mailbox itself and writes the plan
-        (``mailbox.exchange_route``). Donate it: ``jax.jit(moe_front,
+        (``mailbox.exchange_route``); where the front GEMM kernel runs (tp = 1), it publishes from
+        its epilogue (``mailbox.gemm_exchange_route``). Donate it: ``jax.jit(moe_front,
         donate_argnames="mailbox")``. Its path canonicalizes -0 logits and latent values to +0
         (``moe_front_jax.bridge.mailbox`` says why routing is unaffected). With ``axis_name``, this
         rank's mailbox (created for ``params.cfg``); the ranks' shards reach it through a gather in

@@ -9,7 +9,9 @@
 and ``front_gemm_plan`` also writes, from the same epilogue, the MXFP8 plan of the latent shard
 (``reference.mxfp8_plan``; the tile math is ``plan.quantize_tile``, shared with the standalone plan
 kernel): values float8_e4m3fn ``[B, n - split]`` and E8M0 scales ``[B, (n - split) / block]``.
-Nothing else runs: no slice, cast or plan kernel after it.
+Nothing else runs: no slice, cast or plan kernel after it. ``front_gemm_publish`` writes the same
+logits and latent, as canonical words, straight into a tp = 1 Lamport mailbox (SPEC section 7)
+instead: the publish of ``mailbox.publish`` done by the epilogue, so no publish kernel follows.
 
 Schedule. At decode batches the GEMM is bound by reading the weight, so each program streams one
 contiguous slab of it: ``block_rows`` rows by a ``H / split_k`` chunk of K, in ``block_k`` steps that
