@@ -78,9 +78,9 @@ jax-triton 0.3.1 cannot be imported without a GPU jaxlib) and this module's plai
 instead (``pallas/route_collect.py``) wherever that kernel runs: on a GPU after the kernels' publish,
 and in interpret mode after the plain-JAX publish. At tp = 1, wherever the direct path runs the front
 GEMM kernel (``"pallas"``, ``"interpret"``, and ``"auto"`` at the shapes its table gives the kernel),
-``moe_front`` publishes from that kernel's epilogue instead (``gemm_exchange_route``,
-``front_gemm.front_gemm_publish``): the same words, with no publish kernel and no logits or latent
-written first; the collect then runs as above.
+``moe_front`` publishes from that kernel's epilogue instead, with the direct path's schedule
+(``gemm_exchange_route``, ``front_gemm.front_gemm_publish``): the same words, with no publish kernel
+and no logits or latent written first; the collect then runs as above.
 
 Transports (``exchange``'s ``transport``): ``"gather"`` (the default) gathers the ranks' shards with
 one XLA all-gather and publishes them locally (with the GPU kernels: tp = 1 only); ``"peer"`` runs the
@@ -539,15 +539,10 @@ def exchange_route(
     return _route_published(mailbox, status, bias, batch, backend, plan)
 
 
-def gemm_publishes(backend: str, x, packed, split: int, valid: int) -> bool:
-    """Whether ``moe_front``'s mailbox path at tp = 1 publishes from the front GEMM's epilogue
-    (``gemm_exchange_route``): wherever the direct path runs the front GEMM kernel for these shapes,
-    so that both paths multiply alike and give the same bits."""
-    return backends.runs_kernel("front_gemm", backend, x, packed, split, valid)
-
-
 @functools.partial(
-    jax.jit, static_argnames=("split", "valid", "backend", "plan"), donate_argnames="mailbox"
+    jax.jit,
+    static_argnames=("split", "valid", "backend", "plan", "plan_schedule"),
+    donate_argnames="mailbox",
 )
 def gemm_exchange_route(
     mailbox: Mailbox,
@@ -559,6 +554,7 @@ def gemm_exchange_route(
     valid: int,
     backend: str = "auto",
     plan: bool = False,
+    plan_schedule: bool = False,
 ) -> tuple:
     """``exchange_route`` at tp = 1 with the publish done by the front GEMM kernel's epilogue
     (``front_gemm.front_gemm_publish``): the logits and latent go from the GEMM's registers into the
@@ -567,8 +563,10 @@ def gemm_exchange_route(
     Args:
       mailbox: the ``Mailbox`` (tp = 1, armed).
       x, packed, split, valid: ``front_gemm``'s arguments.
-      bias, backend, plan: as for ``exchange_route``; ``backend`` must run the front GEMM kernel
-        (``gemm_publishes``).
+      bias, backend, plan: as for ``exchange_route``; ``backend`` runs the front GEMM kernel
+        (``"pallas"``, ``"interpret"``, or ``"auto"`` where it does).
+      plan_schedule: multiply with ``front_gemm_plan``'s schedule rather than ``front_gemm``'s: the
+        one the direct path runs, so that both paths give the same bits.
 
     Returns:
       As ``exchange_route``.
@@ -576,7 +574,8 @@ def gemm_exchange_route(
     from moe_front_jax.pallas import front_gemm
 
     mailbox, status = front_gemm.front_gemm_publish(
-        x, packed, split, valid, mailbox, interpret=backend == "interpret"
+        x, packed, split, valid, mailbox, interpret=backend == "interpret",
+        plan_block=mailbox.cfg.plan_block if plan_schedule else None,
     )
     return _route_published(mailbox, status, bias, x.shape[0], backend, plan)
 

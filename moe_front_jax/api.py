@@ -159,11 +159,14 @@ def moe_front(
     status = jnp.zeros((), jnp.int32)
     planned = None
     gemm_args = (x, params.packed, params.split, cfg.experts_per_rank)
-    if mailbox is not None and mailboxes.gemm_publishes(backend, *gemm_args):
-        # The front GEMM kernel's epilogue publishes into the mailbox: no publish kernel.
+    # The front GEMM kernel with the plan in its epilogue, where the direct path runs it.
+    plan_gemm = plan and backends.runs_kernel("front_gemm_plan", backend, *gemm_args, cfg.plan_block)
+    if mailbox is not None and (plan_gemm or backends.runs_kernel("front_gemm", backend, *gemm_args)):
+        # The GEMM kernel the direct path runs (its schedule, so its bits) publishes into the mailbox
+        # from its epilogue: no publish kernel.
         ids, weights, logits, latent, planned, status, mailbox = mailboxes.gemm_exchange_route(
             mailbox, x, params.packed, params.bias, split=params.split,
-            valid=cfg.experts_per_rank, backend=backend, plan=plan,
+            valid=cfg.experts_per_rank, backend=backend, plan=plan, plan_schedule=plan_gemm,
         )
     elif mailbox is not None:
         logits, latent = backends.stage("front_gemm", backend)(*gemm_args)
@@ -171,13 +174,13 @@ def moe_front(
             mailbox, logits, latent, params.bias, backend=backend, plan=plan
         )
     else:
-        gemm_plan = backends.stage("front_gemm_plan", backend)
-        if plan and gemm_plan is not backends.REFERENCE["front_gemm_plan"]:
+        if plan_gemm:
             # The kernel writes the plan from the GEMM's epilogue: no second pass over the latent.
-            logits, latent, planned = gemm_plan(*gemm_args, cfg.plan_block)
+            logits, latent, planned = backends.stage("front_gemm_plan", backend)(
+                *gemm_args, cfg.plan_block)
         else:
             logits, latent = backends.stage("front_gemm", backend)(*gemm_args)
-            if plan:  # XLA's GEMM ("auto" on a GPU), then the plan stage
+            if plan:  # the plan stage after XLA's GEMM, or ("auto") after the plain kernel
                 planned = backends.stage("plan", backend)(latent, cfg.plan_block)
         ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
     shared = None

@@ -320,35 +320,36 @@ class _Outputs:
     values: object = None
     scales: object = None
     buffer: object = None
+    control: object = None
+    status: object = None
     generation: object = None
+
+    def close(self) -> None:
+        """Publishing, at the end of every program: record the generation in ``control[1]`` and zero
+        the status word, values no program of this grid reads. Stored last because a store waits
+        for its value: at the start, the control word's load would hold up the weight's loads."""
+        if self.buffer is not None:
+            self.control[1] = self.generation
+            self.status[0] = jnp.int32(0)
 
 
 def _outputs(g: Geometry, refs: list) -> tuple[_Outputs, object, object]:
     """Split a kernel's refs after ``x`` and ``w``: the aliased inputs (counters, mailbox), then the
-    outputs in ``_call``'s order. Returns ``(outputs, partials_ref, counters_ref)``; with the mailbox
-    this also opens the call's generation (``_open_generation``)."""
+    outputs in ``_call``'s order. Returns ``(outputs, partials_ref, counters_ref)``; publishing, the
+    generation written is ``(control[0] + 1) mod G``, as ``mailbox.publish`` has it."""
     workspace = bool(g.config.programs) or g.config.split_k > 1
     refs = refs[int(workspace) + 2 * g.publish:]  # inputs aliased to outputs: use the outputs
     if g.publish:
         buffer_ref, control_ref, status_ref, *refs = refs
-        outs = _Outputs(buffer=buffer_ref,
-                        generation=_open_generation(buffer_ref, control_ref, status_ref))
+        generation = (control_ref[0] + 1) % buffer_ref.shape[0]
+        outs = _Outputs(buffer=buffer_ref, control=control_ref, status=status_ref,
+                        generation=generation)
     else:
         logits_ref, latent_ref, *refs = refs
         plan = (refs.pop(0), refs.pop(0)) if g.block is not None else (None, None)
         outs = _Outputs(logits_ref, latent_ref, *plan)
     partials_ref, counters_ref = refs if workspace else (None, None)
     return outs, partials_ref, counters_ref
-
-
-def _open_generation(buffer_ref, control_ref, status_ref):
-    """The generation a publish writes, ``(control[0] + 1) mod G``, as ``mailbox.publish`` has it.
-    Every program stores it into ``control[1]`` and zero into the status word: values no program of
-    this grid reads."""
-    generation = (control_ref[0] + 1) % buffer_ref.shape[0]
-    control_ref[1] = generation
-    status_ref[0] = jnp.int32(0)
-    return generation
 
 
 def logit_words(y):
@@ -427,6 +428,7 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
         mask=batch_ok.T, interpret=interpret,
         epilogue=lambda y: _store_tile(y, g, first_row, is_latent, row_ok, batch_ok, outs),
     )
+    outs.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,6 +491,7 @@ def _stream_k_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
                 zeros = jnp.zeros(acc.shape, jnp.float32)
                 y = lax.fori_loop(first_program, last_program + 1, add, zeros)
                 _store_tile(y, g, first_row, is_latent, row_ok, batch_ok, outs)
+    outs.close()
 
 
 def _vector_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
@@ -534,6 +537,7 @@ def _vector_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
             word_ok = lax.broadcasted_iota(jnp.int32, (n,), 0) < (g.shard - column) // 2
             plgpu.store(outs.buffer.at[outs.generation, row, pl.ds(column // 2, n)], words,
                         mask=word_ok)
+    outs.close()
 
 
 def _check(x, packed, split, valid, block) -> None:
@@ -725,6 +729,7 @@ def front_gemm_publish(
     valid: int,
     mailbox: mb.Mailbox,
     *,
+    plan_block: int | None = None,
     interpret: bool = False,
     config: FrontGemmConfig | None = None,
 ) -> tuple[mb.Mailbox, jax.Array]:
@@ -735,13 +740,16 @@ def front_gemm_publish(
     Each finished tile goes straight into rows ``[0, B)`` of generation ``g = (control[0] + 1) mod G``
     as canonical words (-0 becomes +0): a router tile's float32 bits at words ``L/2 + e``, a latent
     tile's bfloat16 columns in pairs, ``2i`` the low half of word ``i``. Every program records ``g``
-    in ``control[1]`` and zeroes the status word. The schedule is ``front_gemm``'s (the same config
-    for the same shapes), so the words hold exactly the canonical bits of ``front_gemm``'s outputs.
+    in ``control[1]`` and zeroes the status word. The schedule is ``front_gemm``'s for the same
+    shapes (or, with ``plan_block``, ``front_gemm_plan``'s), so the words hold exactly the canonical
+    bits of that call's logits and latent.
 
     Args:
       x, packed, split, valid, interpret, config: as for ``front_gemm``; ``valid`` must be the
         mailbox's experts and ``n - split`` its latent width.
       mailbox: a ``Mailbox`` of a tp = 1 config, with room for ``B`` rows; updated in place (donate it).
+      plan_block: run the schedule ``front_gemm_plan(..., block=plan_block)`` would (its table entry,
+        its tiles widened to the block), to give that call's bits; the plan itself is not written.
 
     Returns:
       ``(mailbox, status)``: the mailbox published into, and the zeroed int32 status word that the
@@ -766,5 +774,8 @@ def front_gemm_publish(
             f"the GEMM's valid={valid} router rows and {packed.shape[0] - split} latent rows must be "
             f"the mailbox's experts={cfg.experts} and latent={cfg.latent}"
         )
+    if plan_block is not None:
+        _check(x, packed, split, valid, plan_block)
+        config = _resolve(config, valid, packed.shape[0] - split, x.shape[1], x.shape[0], plan_block)
     buffer, control, status, *_ = _call(x, packed, split, valid, None, interpret, config, mailbox)
     return mb.Mailbox(buffer, control, cfg), status.reshape(())

@@ -198,10 +198,12 @@ def publish_operands(batch, seed):
     return x, w, split
 
 
-@pytest.mark.parametrize("config", PUBLISH_CONFIGS)
-def test_interpret_publish_equals_publishing_the_outputs(config):
+@pytest.mark.parametrize("config, plan_block", [(c, None) for c in PUBLISH_CONFIGS] + [
+    (Cfg(16, 64, 2, 4, 3), 4)])
+def test_interpret_publish_equals_publishing_the_outputs(config, plan_block):
     """``front_gemm_publish`` leaves in the mailbox exactly what ``mailbox.publish`` (plain JAX) leaves
-    from ``front_gemm``'s outputs with the same schedule, generation by generation."""
+    from ``front_gemm``'s outputs (``front_gemm_plan``'s with ``plan_block``) with the same schedule,
+    generation by generation."""
     from moe_front_jax.bridge import mailbox as mb
 
     cfg = PUBLISH_CFG
@@ -209,10 +211,14 @@ def test_interpret_publish_equals_publishing_the_outputs(config):
     want_box = mf.Mailbox.create(cfg, capacity=8, generations=2)
     for step, batch in enumerate((3, 8, 1)):
         x, w, split = publish_operands(batch, seed=step)
-        logits, latent = fg.front_gemm(x, w, split, cfg.experts, interpret=True, config=config)
+        if plan_block is None:
+            logits, latent = fg.front_gemm(x, w, split, cfg.experts, interpret=True, config=config)
+        else:
+            logits, latent, _ = fg.front_gemm_plan(x, w, split, cfg.experts, plan_block,
+                                                   interpret=True, config=config)
         want_box = mb.publish(want_box, logits, latent, backend="xla")
         got_box, status = fg.front_gemm_publish(x, w, split, cfg.experts, got_box, interpret=True,
-                                                config=config)
+                                                config=config, plan_block=plan_block)
         assert status.shape == () and int(status) == 0
         np.testing.assert_array_equal(np.asarray(got_box.control), np.asarray(want_box.control))
         np.testing.assert_array_equal(np.asarray(got_box.buffer), np.asarray(want_box.buffer))
