@@ -22,8 +22,7 @@ the script times, with CUPTI (summed kernel time per call), in one process:
 Three weight copies (3 x 64 MB, over the 60 MB L2) and three inputs rotate; no input is zero. Also
 measured: how long a collect, and a ``route_collect``, on a never-published mailbox take to return
 their timeout status.
-``--variants`` first sweeps the kernels' block size (chunks per program, warps) and the collect's
-speculative loads (``triton_mailbox.SPECULATE_MAX_BATCH``) on and off.
+``--variants`` first sweeps the kernels' block size (chunks per program, warps).
 
 ``--transports`` times instead the exchange alone per transport (issue 9), for tp = 1 and every power
 of two up to the GPU count, at B in {1, 8, 64}, with shards of Kimi-K3 sizes, on a ``"tp"`` mesh:
@@ -214,16 +213,15 @@ def timeout_seconds(cfg, batch: int, fused: bool) -> float:
 
 
 def sweep_variants(cfg, params) -> list[dict]:
-    """Exchange-only time per (chunks per program, warps, largest batch of the speculative collect),
-    over the batches."""
+    """Exchange-only time per (chunks per program, warps), over the batches."""
     from moe_front_jax.bridge import triton_mailbox as tm
 
-    chosen = (tm.BLOCK_CHUNKS, tm.NUM_WARPS, tm.SPECULATE_MAX_BATCH)
+    chosen = (tm.BLOCK_CHUNKS, tm.NUM_WARPS)
     rows = []
-    for block, warps, speculate in [(128, 4, 0), (256, 4, 0), (128, 4, 256), (256, 4, 256)]:
-        tm.BLOCK_CHUNKS, tm.NUM_WARPS, tm.SPECULATE_MAX_BATCH = block, warps, speculate
+    for block, warps in [(32, 1), (64, 2), (128, 4), (256, 4), (256, 8)]:
+        tm.BLOCK_CHUNKS, tm.NUM_WARPS = block, warps
         jax.clear_caches()
-        row = dict(block=block, warps=warps, speculate_max_batch=speculate)
+        row = dict(block=block, warps=warps)
         for batch in BATCHES:
             x = (jax.random.normal(jax.random.key(7), (batch, cfg.hidden)) + 0.1).astype(jnp.bfloat16)
             shard = mf.reference.front_gemm(x, params[0].packed, params[0].split, cfg.experts_per_rank)
@@ -237,7 +235,7 @@ def sweep_variants(cfg, params) -> list[dict]:
             row[batch] = (kernel_us(summary, "mailbox_publish"), kernel_us(summary, "mailbox_collect"))
         rows.append(row)
         print("variant", row, flush=True)
-    tm.BLOCK_CHUNKS, tm.NUM_WARPS, tm.SPECULATE_MAX_BATCH = chosen
+    tm.BLOCK_CHUNKS, tm.NUM_WARPS = chosen
     jax.clear_caches()
     return rows
 

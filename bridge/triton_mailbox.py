@@ -37,10 +37,6 @@ BLOCK_CHUNKS = 256
 """16-byte chunks per program, two per thread of ``NUM_WARPS`` warps (the best of 32..256 on the H200
 at B = 256, equal at B <= 64)."""
 NUM_WARPS = 4
-SPECULATE_MAX_BATCH = 64
-"""Up to this batch the collect loads every generation's row beside the control word instead of after
-it (one memory round trip less; ``GENERATIONS`` times the reads, which larger batches pay for in
-bandwidth)."""
 SPIN_LIMIT = 1 << 16
 """Polls of a chunk block before the collect gives up and reports ``TIMEOUT``. On the H200 at
 ``1 << 17`` a never-published collect returned after 54-93 ms (B = 1 to 256) while a poll read the
@@ -114,8 +110,6 @@ def mailbox_collect(
     BLOCK: tl.constexpr,
     SPIN: tl.constexpr,
     TIMEOUT: tl.constexpr,
-    GENERATIONS: tl.constexpr,
-    SPECULATE: tl.constexpr,
 ):
     # Inputs 0, 1 and 2 alias outputs 0, 1 and 4; every access goes through the output pointers.
     # Every program stores the same value into ``control[0]``, a word no program of this grid reads.
@@ -128,17 +122,7 @@ def mailbox_collect(
     data = in_latent | in_logits
     cell = buffer + (generation * CAPACITY + row).to(tl.int64) * ROW_WORDS + word
     # Volatile: each poll re-reads memory that a writer may change while this kernel runs.
-    if SPECULATE:
-        # The row of every generation, loaded beside the control word rather than after it; the one
-        # it names is kept. A word read early is as good as one read late: a generation's row holds
-        # the sentinel or this step's data (module docstring of ``mailbox``).
-        first = buffer + row.to(tl.int64) * ROW_WORDS + word
-        words = tl.load(first, mask=data, other=0, volatile=True)
-        for g in tl.static_range(1, GENERATIONS):
-            other = tl.load(first + g * CAPACITY * ROW_WORDS, mask=data, other=0, volatile=True)
-            words = tl.where(generation == g, other, words)
-    else:
-        words = tl.load(cell, mask=data, other=0, volatile=True)
+    words = tl.load(cell, mask=data, other=0, volatile=True)
     pending = tl.sum((words == _SENTINEL).to(tl.int32), axis=None)
     spins = 0
     while (pending > 0) & (spins < SPIN):
@@ -240,8 +224,6 @@ def collect(
         CAPACITY=mailbox.capacity,
         SPIN=spin_limit,
         TIMEOUT=mb.TIMEOUT,
-        GENERATIONS=mailbox.generations,
-        SPECULATE=batch <= SPECULATE_MAX_BATCH,
         **layout(cfg),
     )
     return logits, latent, status, mb.Mailbox(buffer, control, cfg)
