@@ -49,8 +49,9 @@ PENDING: dict[str, str] = {}
 
 # Stages whose kernel "auto" runs only at the shapes where the device's auto table measured it faster
 # than the reference: stage -> "module:function" of a predicate over the stage's arguments. On the
-# H200 (benchmarks/RESULTS.md, 2026-12-03, sixth session) the front GEMM beat XLA's reference stage by
-# 5% or more in both runs at B=1 at every tp, tp2 B=32 and tp8 B=16; the shared expert at tp8 B <= 2.
+# H200 (benchmarks/RESULTS.md, 2026-12-03, sixth and seventh sessions) the front GEMM beat XLA's
+# reference stage by 5% or more in every run at B=1 at every tp, B=2 at tp 2, 4 and 8, tp2 B=32 and
+# tp8 B=16; the shared expert at tp8 B <= 2.
 AUTO_BY_SHAPE: dict[str, str] = {
     "front_gemm": "moe_front_jax.pallas.front_gemm:auto_prefers_kernel",
     "shared_expert": "moe_front_jax.pallas.shared_expert:auto_prefers_kernel",
