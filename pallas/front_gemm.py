@@ -328,8 +328,9 @@ class _Outputs:
         """Publishing, at the end of the grid's first program only: record the generation in
         ``control[1]`` and zero the status word, values no program of this grid reads. One program:
         on the H200 the stores of 2240 programs into these two words (the vector schedule at
-        B = 1) took the kernel from 17.6 to 35.8 us. Last: a store waits for its value, and the
-        control word's load would hold up the weight's loads."""
+        B = 1) took the kernel from 17.6 to 35.8 us. Last rather than first: a store waits for its
+        value, so at the start the control word's load would hold up the weight's loads (as the
+        compiled code for sm_90 orders them; not timed apart)."""
         if self.buffer is not None:
 
             @pl.when(first_program)
