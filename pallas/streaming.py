@@ -165,11 +165,11 @@ def vector_stream(x_ref, w_ref, first_rows, *, batch: int, depth: int, config: G
     """
     bn, bk = config.block_rows, config.block_k
     accs = [[jnp.zeros((bn, bk), jnp.float32) for _ in range(batch)] for _ in first_rows]
+    masks = rows_masks or [None] * len(first_rows)
     for k in range(0, depth, bk):
         # The weight is read once per call: first out of L2, so x stays.
-        ws = [masked_load(w_ref.at[pl.ds(first, bn), pl.ds(k, bk)],
-                          None if rows_masks is None else mask, "evict_first")
-              for first, mask in zip(first_rows, rows_masks or [None] * len(first_rows))]
+        ws = [masked_load(w_ref.at[pl.ds(first, bn), pl.ds(k, bk)], mask, "evict_first")
+              for first, mask in zip(first_rows, masks)]
         xs = [plgpu.load(x_ref.at[pl.ds(b, 1), pl.ds(k, bk)]).astype(jnp.float32)
               for b in range(batch)]
         for part, w in enumerate(ws):
