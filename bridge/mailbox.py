@@ -570,12 +570,24 @@ def gemm_exchange_route(
 
     Returns:
       As ``exchange_route``.
+
+    Raises:
+      ValueError: a ``backend`` that does not run the front GEMM kernel at these shapes (use
+        ``exchange_route`` after the GEMM); otherwise as ``front_gemm.front_gemm_publish`` and
+        ``exchange_route``.
     """
     from moe_front_jax.pallas import front_gemm
 
+    gemm = "front_gemm_plan" if plan_schedule else "front_gemm"
+    block = (mailbox_config(mailbox).plan_block,) if plan_schedule else ()
+    if not backends.runs_kernel(gemm, backend, x, packed, split, valid, *block):
+        raise ValueError(
+            f"backend={backend!r} does not run the {gemm} kernel at these shapes (x {x.shape}): "
+            "publish with exchange_route after the GEMM instead"
+        )
     mailbox, status = front_gemm.front_gemm_publish(
         x, packed, split, valid, mailbox, interpret=backend == "interpret",
-        plan_block=mailbox.cfg.plan_block if plan_schedule else None,
+        plan_block=block[0] if block else None,
     )
     return _route_published(mailbox, status, bias, x.shape[0], backend, plan)
 

@@ -328,9 +328,10 @@ class _Outputs:
         """Publishing, at the end of the grid's first program only: record the generation in
         ``control[1]`` and zero the status word, values no program of this grid reads. One program:
         on the H200 the stores of 2240 programs into these two words (the vector schedule at
-        B = 1) took the kernel from 17.6 to 35.8 us. Last rather than first: a store waits for its
-        value, so at the start the control word's load would hold up the weight's loads (as the
-        compiled code for sm_90 orders them; not timed apart)."""
+        B = 1) took the kernel from 17.6 to 35.8 us. At the end because a store waits for its
+        value: at the start it would wait for the control word's load, and the compiled code for
+        sm_90 puts the weight's loads behind it. First against last, one program storing, was not
+        timed."""
         if self.buffer is not None:
 
             @pl.when(first_program)
@@ -356,12 +357,6 @@ def _outputs(g: Geometry, refs: list) -> tuple[_Outputs, object, object]:
         outs = _Outputs(logits_ref, latent_ref, *plan)
     partials_ref, counters_ref = refs if workspace else (None, None)
     return outs, partials_ref, counters_ref
-
-
-def logit_words(y):
-    """float32 logits as canonical mailbox words, uint32 of the same shape (-0.0 becomes +0.0)."""
-    words = lax.bitcast_convert_type(y, jnp.uint32)
-    return jnp.where(words == jnp.uint32(mb.SENTINEL), jnp.uint32(0), words)
 
 
 def latent_word_pairs(lo, hi):
@@ -393,7 +388,7 @@ def _store_tile(y, g: Geometry, first_row, is_latent, row_ok, batch_ok, outs: _O
         if g.publish:
             cells = outs.buffer.at[outs.generation, pl.ds(0, bp),
                                    pl.ds(g.shard // 2 + first_row, bn)]
-            plgpu.store(cells, logit_words(y.T), mask=out_ok)
+            plgpu.store(cells, mb.logits_to_words(y.T), mask=out_ok)
         else:
             plgpu.store(outs.logits.at[pl.ds(0, bp), pl.ds(first_row, bn)], y.T, mask=out_ok)
 
@@ -525,7 +520,7 @@ def _vector_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
             for first, y, mask in zip(firsts, ys, masks):
                 if g.publish:
                     cells = outs.buffer.at[outs.generation, row, pl.ds(g.shard // 2 + first, bn)]
-                    plgpu.store(cells, logit_words(y), mask=mask.reshape(bn))
+                    plgpu.store(cells, mb.logits_to_words(y), mask=mask.reshape(bn))
                 else:
                     plgpu.store(outs.logits.at[row, pl.ds(first, bn)], y, mask=mask.reshape(bn))
 
@@ -763,7 +758,8 @@ def front_gemm_publish(
 
     Raises:
       ValueError: as for ``front_gemm``; a wrong mailbox, one of tp > 1, a batch over its capacity,
-        or shapes that disagree with its config.
+        shapes that disagree with its config, or a ``plan_block`` that is not a power of two dividing
+        the latent shard (or comes with a vector ``config``).
       NotImplementedError: as for ``front_gemm``.
 
     Cost: ``front_gemm``'s, its outputs' bytes written as mailbox words instead (``4 B E + 2 B L``);
@@ -772,16 +768,24 @@ def front_gemm_publish(
     cfg = mb.mailbox_config(mailbox)
     _check(x, packed, split, valid, None)
     mb.check_mailbox(mailbox, cfg, x.shape[0])
+    shard = packed.shape[0] - split
+    if plan_block is not None:
+        if (not isinstance(plan_block, int) or isinstance(plan_block, bool) or plan_block < 1
+                or plan_block & (plan_block - 1) or plan_block > 256 or shard % plan_block):
+            raise ValueError(f"plan_block must be None or a power of two in [1, 256] dividing the "
+                             f"latent shard ({shard}), got {plan_block!r}")
+        if config is not None and config.vector:
+            raise ValueError(f"plan_block asks for front_gemm_plan's schedule, a tensor-core one, "
+                             f"but config is the vector schedule {config}")
     if cfg.tp != 1:
         raise ValueError(f"front_gemm_publish publishes one device's rows (tp=1), got a mailbox for "
                          f"tp={cfg.tp}")
-    if (valid, packed.shape[0] - split) != (cfg.experts, cfg.latent):
+    if (valid, shard) != (cfg.experts, cfg.latent):
         raise ValueError(
-            f"the GEMM's valid={valid} router rows and {packed.shape[0] - split} latent rows must be "
-            f"the mailbox's experts={cfg.experts} and latent={cfg.latent}"
+            f"the GEMM's valid={valid} router rows and {shard} latent rows must be the mailbox's "
+            f"experts={cfg.experts} and latent={cfg.latent}"
         )
     if plan_block is not None:
-        _check(x, packed, split, valid, plan_block)
-        config = _resolve(config, valid, packed.shape[0] - split, x.shape[1], x.shape[0], plan_block)
+        config = _resolve(config, valid, shard, x.shape[1], x.shape[0], plan_block)
     buffer, control, status, *_ = _call(x, packed, split, valid, None, interpret, config, mailbox)
     return mb.Mailbox(buffer, control, cfg), status.reshape(())

@@ -169,7 +169,7 @@ def vector_stream(x_ref, w_ref, first_rows, *, batch: int, depth: int, config: G
     for k in range(0, depth, bk):
         # The weight is read once per call: first out of L2, so x stays.
         ws = [masked_load(w_ref.at[pl.ds(first, bn), pl.ds(k, bk)], mask, "evict_first")
-              for first, mask in zip(first_rows, masks)]
+              for first, mask in zip(first_rows, masks, strict=True)]
         xs = [plgpu.load(x_ref.at[pl.ds(b, 1), pl.ds(k, bk)]).astype(jnp.float32)
               for b in range(batch)]
         for part, w in enumerate(ws):

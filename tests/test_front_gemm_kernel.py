@@ -177,10 +177,13 @@ def test_moe_front_takes_the_plan_from_the_gemm_epilogue(monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
-# A mailbox row of 26 experts and 36 latent columns (18 latent words) at tp = 1: tiles of every
-# schedule that run past their region, and one-row vector blocks, published in pairs.
+# Mailbox rows of 26 or 25 experts and 36 latent columns (18 latent words) at tp = 1: tiles of every
+# schedule that run past their region (with 25, the last two-row router tile too), and one-row
+# vector blocks, published in pairs.
 PUBLISH_CFG = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=26, top_k=4, latent=36, shared=0,
                              plan_block=4)
+ODD_CFG = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=25, top_k=4, latent=36, shared=0,
+                         plan_block=4)
 PUBLISH_CONFIGS = [
     Cfg(16, 64, 1, 4, 3),
     Cfg(16, 64, 2, 4, 3),
@@ -191,50 +194,92 @@ PUBLISH_CONFIGS = [
 ]
 
 
-def publish_operands(batch, seed):
-    cfg = PUBLISH_CFG
+def publish_operands(batch, seed, cfg=PUBLISH_CFG, exact=True):
+    """``x``, ``w`` and ``split`` for ``cfg``: exact operands, or random ones (whose float32 sums
+    depend on the schedule)."""
     split = padded_split(cfg.experts)
-    x, w = exact_operands(batch, cfg.experts, split, cfg.latent, cfg.hidden, seed=seed)
-    return x, w, split
+    if exact:
+        x, w = exact_operands(batch, cfg.experts, split, cfg.latent, cfg.hidden, seed=seed)
+        return x, w, split
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batch, cfg.hidden)).astype(ml_dtypes.bfloat16)
+    w = rng.normal(size=(split + cfg.latent, cfg.hidden)).astype(ml_dtypes.bfloat16)
+    w[cfg.experts:split] = 0
+    return jnp.asarray(x), jnp.asarray(w), split
 
 
+def published_buffers(cfg, steps, publish):
+    """The mailbox buffers after ``publish(box, batch, seed)`` at each of ``steps`` (batch, seed),
+    each step collected (re-armed) in plain JAX before the next."""
+    from moe_front_jax.bridge import mailbox as mb
+
+    box, buffers = mf.Mailbox.create(cfg, capacity=8, generations=2), []
+    for seed, batch in enumerate(steps):
+        box, status = publish(box, batch, seed)
+        assert status is None or (status.shape == () and int(status) == 0)
+        buffers.append((np.asarray(box.buffer), np.asarray(box.control)))
+        *_, box = mb.collect(box, batch, backend="xla")
+    return buffers
+
+
+@pytest.mark.parametrize("cfg", [PUBLISH_CFG, ODD_CFG], ids=["even", "odd"])
 @pytest.mark.parametrize("config, plan_block", [(c, None) for c in PUBLISH_CONFIGS] + [
     (Cfg(16, 64, 2, 4, 3), 4)])
-def test_interpret_publish_equals_publishing_the_outputs(config, plan_block):
+def test_interpret_publish_equals_publishing_the_outputs(cfg, config, plan_block):
     """``front_gemm_publish`` leaves in the mailbox exactly what ``mailbox.publish`` (plain JAX) leaves
     from ``front_gemm``'s outputs (``front_gemm_plan``'s with ``plan_block``) with the same schedule,
     generation by generation."""
     from moe_front_jax.bridge import mailbox as mb
 
-    cfg = PUBLISH_CFG
-    got_box = mf.Mailbox.create(cfg, capacity=8, generations=2)
-    want_box = mf.Mailbox.create(cfg, capacity=8, generations=2)
-    for step, batch in enumerate((3, 8, 1)):
-        x, w, split = publish_operands(batch, seed=step)
+    def gemm_then_publish(box, batch, seed):
+        x, w, split = publish_operands(batch, seed, cfg)
         if plan_block is None:
-            logits, latent = fg.front_gemm(x, w, split, cfg.experts, interpret=True, config=config)
+            out = fg.front_gemm(x, w, split, cfg.experts, interpret=True, config=config)
         else:
-            logits, latent, _ = fg.front_gemm_plan(x, w, split, cfg.experts, plan_block,
-                                                   interpret=True, config=config)
-        want_box = mb.publish(want_box, logits, latent, backend="xla")
-        got_box, status = fg.front_gemm_publish(x, w, split, cfg.experts, got_box, interpret=True,
-                                                config=config, plan_block=plan_block)
-        assert status.shape == () and int(status) == 0
-        np.testing.assert_array_equal(np.asarray(got_box.control), np.asarray(want_box.control))
-        np.testing.assert_array_equal(np.asarray(got_box.buffer), np.asarray(want_box.buffer))
-        *_, want_box = mb.collect(want_box, batch, backend="xla")  # re-arm both alike
-        *_, got_box = mb.collect(got_box, batch, backend="xla")
+            out = fg.front_gemm_plan(x, w, split, cfg.experts, plan_block, interpret=True,
+                                     config=config)
+        return mb.publish(box, *out[:2], backend="xla"), None
+
+    def publish(box, batch, seed):
+        x, w, split = publish_operands(batch, seed, cfg)
+        return fg.front_gemm_publish(x, w, split, cfg.experts, box, interpret=True, config=config,
+                                     plan_block=plan_block)
+
+    steps = (3, 8, 1)
+    for got, want in zip(published_buffers(cfg, steps, publish),
+                         published_buffers(cfg, steps, gemm_then_publish)):
+        np.testing.assert_array_equal(got[1], want[1])  # the control words
+        np.testing.assert_array_equal(got[0], want[0])
 
 
-def test_epilogue_words_canonicalize_negative_zero():
-    """The epilogue's word helpers against the SPEC's rule, in numpy: -0 (float32 or bfloat16)
-    becomes +0, and the smallest negative subnormals, which share its sign bit, pass unchanged. (A
-    GEMM on the CPU cannot give a -0: its float32 sums start at +0 and flush subnormals.)"""
-    logits = np.array([[-0.0, 0.0, 1.5, -2.0]], np.float32)
-    logits[0, 1] = np.array([0x80000001], np.uint32).view(np.float32)[0]
-    want = logits.view(np.uint32).copy()
-    want[0, 0] = 0
-    np.testing.assert_array_equal(np.asarray(fg.logit_words(jnp.asarray(logits))), want)
+def test_publish_takes_the_plan_schedule_with_plan_block(monkeypatch):
+    """Without a config, ``plan_block`` picks ``front_gemm_plan``'s schedule (here a tensor-core one,
+    where ``front_gemm``'s is a vector one): on random data the two give different sums, and the
+    words are those of the plan's schedule."""
+    from moe_front_jax.bridge import mailbox as mb
+
+    vector, grid = Cfg(2, 64, 1, 4, 1, vector=True), Cfg(16, 64, 2, 4, 3)
+    monkeypatch.setattr(fg, "pick_config", lambda *shape, plan=False: grid if plan else vector)
+    cfg, batch = PUBLISH_CFG, 3
+    x, w, split = publish_operands(batch, seed=5, exact=False)
+    empty = mf.Mailbox.create(cfg, capacity=4)
+    plain = mb.publish(empty, *fg.front_gemm(x, w, split, cfg.experts, interpret=True),
+                       backend="xla")
+    planned = mb.publish(
+        empty, *fg.front_gemm_plan(x, w, split, cfg.experts, cfg.plan_block, interpret=True)[:2],
+        backend="xla")
+    assert not np.array_equal(np.asarray(plain.buffer), np.asarray(planned.buffer))
+    for plan_block, want in ((None, plain), (cfg.plan_block, planned)):
+        got, _ = fg.front_gemm_publish(x, w, split, cfg.experts, mf.Mailbox.create(cfg, capacity=4),
+                                       plan_block=plan_block, interpret=True)
+        np.testing.assert_array_equal(np.asarray(got.buffer), np.asarray(want.buffer))
+
+
+def test_epilogue_latent_words_canonicalize_negative_zero():
+    """The epilogue's latent word helpers against the SPEC's rule, in numpy: a bfloat16 -0 becomes
+    +0, and the smallest negative subnormal, which shares its sign bit, passes unchanged. (A GEMM on
+    the CPU cannot give a -0: its float32 sums start at +0 and flush subnormals. The logits go
+    through ``mailbox.logits_to_words``, as the plain-JAX publish's do.)"""
     halves = np.array([[0x8000, 0x8000, 0x8001, 0x8000, 0x3F80, 0xBF80]], np.uint16)
     latent = jnp.asarray(halves.view(ml_dtypes.bfloat16))
     canonical = np.where(halves == 0x8000, 0, halves).astype(np.uint32)
@@ -260,6 +305,23 @@ def test_publish_errors():
         fg.front_gemm_publish(x, w, split, cfg.experts, mf.Mailbox.create(tp2, capacity=4))
     with pytest.raises(ValueError, match="mailbox must be a Mailbox"):
         fg.front_gemm_publish(x, w, split, cfg.experts, box.buffer)
+    for plan_block in (3, 8, 512, True):
+        with pytest.raises(ValueError, match=f"plan_block must be None or a power of two in "
+                                             f"\\[1, 256\\] dividing the latent shard \\(36\\), "
+                                             f"got {plan_block}"):
+            fg.front_gemm_publish(x, w, split, cfg.experts, box, plan_block=plan_block)
+    with pytest.raises(ValueError, match="plan_block asks for front_gemm_plan's schedule, a "
+                                         "tensor-core one, but config is the vector schedule"):
+        fg.front_gemm_publish(x, w, split, cfg.experts, box, plan_block=4,
+                              config=Cfg(2, 64, 1, 4, 1, vector=True))
+    from moe_front_jax.bridge import mailbox as mb
+
+    params = mf.pack_params({"gate.weight": w[:cfg.experts], "routed_down_weight": w[split:],
+                             "gate.e_score_correction_bias": jnp.zeros(cfg.experts)}, cfg)
+    with pytest.raises(ValueError, match="backend='xla' does not run the front_gemm kernel at these "
+                                         "shapes"):
+        mb.gemm_exchange_route(box, x, params.packed, params.bias, split=params.split,
+                               valid=cfg.experts, backend="xla")
 
 
 def test_publish_lowers_for_h200_as_one_kernel_updating_the_mailbox_in_place():

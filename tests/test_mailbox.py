@@ -421,8 +421,9 @@ def k3_params():
 @pytest.mark.parametrize("plan", [False, True])
 def test_gpu_mailbox_output_equals_direct_over_steps(k3_params, plan, backend):
     """On ``"pallas"`` at every batch, and on ``"auto"`` at B = 1, the front GEMM kernel publishes
-    from its epilogue (tuned schedules: vector at B = 1-2, stream-K at B = 8 and 64, split-K at
-    B = 256)."""
+    from its epilogue, with the schedule the direct path runs: ``front_gemm``'s tuned ones (vector at
+    B = 1-2, grid split-K at B = 3-4 and 128-256, stream-K at B = 8-64), or with the plan on
+    ``"pallas"`` ``front_gemm_plan``'s."""
     step = jax.jit(mf.moe_front, static_argnames=("plan", "backend"), donate_argnames="mailbox")
     direct = jax.jit(mf.moe_front, static_argnames=("plan", "backend"))
     box = mf.Mailbox.create(mf.KIMI_K3, capacity=256)
