@@ -279,14 +279,23 @@ def logits_to_words(logits: jax.Array) -> jax.Array:
     return jnp.where(words == jnp.uint32(SENTINEL), jnp.uint32(0), words)
 
 
+def latent_word_pairs(lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Canonical words (uint32) from bfloat16 latent columns ``2i`` (``lo``) and ``2i + 1``
+    (``hi``) of one shape: the low and high halves, a -0 (``0x8000``) becoming +0. Also what the
+    front GEMM kernel's epilogue publishes (``front_gemm.front_gemm_publish``)."""
+    def half(v):
+        bits = lax.bitcast_convert_type(v, jnp.uint16).astype(jnp.uint32)
+        return jnp.where(bits == jnp.uint32(0x8000), jnp.uint32(0), bits)
+
+    return half(lo) | (half(hi) << 16)
+
+
 def latent_to_words(latent: jax.Array) -> jax.Array:
     """bfloat16 ``[B, n]`` latent (n even) as canonical words ``[B, n/2]`` uint32.
 
     Column ``2i`` is the low half of word ``i``; a bfloat16 -0 (``0x8000``) becomes +0.
     """
-    halves = lax.bitcast_convert_type(latent, jnp.uint16).astype(jnp.uint32)
-    halves = jnp.where(halves == jnp.uint32(0x8000), jnp.uint32(0), halves)
-    return halves[:, 0::2] | (halves[:, 1::2] << 16)
+    return latent_word_pairs(latent[:, 0::2], latent[:, 1::2])
 
 
 def words_to_latent(words: jax.Array) -> jax.Array:

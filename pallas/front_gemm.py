@@ -359,21 +359,11 @@ def _outputs(g: Geometry, refs: list) -> tuple[_Outputs, object, object]:
     return outs, partials_ref, counters_ref
 
 
-def latent_word_pairs(lo, hi):
-    """Canonical mailbox words from bfloat16 latent columns ``2i`` (``lo``) and ``2i + 1`` (``hi``):
-    the low and high halves, a -0 (``0x8000``) becoming +0."""
-    def half(v):
-        bits = lax.bitcast_convert_type(v, jnp.uint16).astype(jnp.uint32)
-        return jnp.where(bits == jnp.uint32(0x8000), jnp.uint32(0), bits)
-
-    return half(lo) | (half(hi) << 16)
-
-
 def latent_words_of(latent):
     """``[..., n]`` bfloat16 (``n`` even) as canonical words ``[..., n/2]`` (Triton's split of a
     trailing pair)."""
     pairs = latent.reshape(*latent.shape[:-1], latent.shape[-1] // 2, 2)
-    return latent_word_pairs(*lax.unstack(pairs, axis=pairs.ndim - 1))
+    return mb.latent_word_pairs(*lax.unstack(pairs, axis=pairs.ndim - 1))
 
 
 def _store_tile(y, g: Geometry, first_row, is_latent, row_ok, batch_ok, outs: _Outputs):
@@ -533,7 +523,7 @@ def _vector_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
                             mask=masks[0].reshape(bn))
                 return
             # The shard is even and its tiles start at even columns: a pair is in or out together.
-            words = latent_word_pairs(*latent) if len(latent) == 2 else latent_words_of(latent[0])
+            words = mb.latent_word_pairs(*latent) if len(latent) == 2 else latent_words_of(latent[0])
             n = g.tile_rows // 2
             word_ok = lax.broadcasted_iota(jnp.int32, (n,), 0) < (g.shard - column) // 2
             plgpu.store(outs.buffer.at[outs.generation, row, pl.ds(column // 2, n)], words,

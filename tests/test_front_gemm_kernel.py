@@ -280,13 +280,15 @@ def test_epilogue_latent_words_canonicalize_negative_zero():
     +0, and the smallest negative subnormal, which shares its sign bit, passes unchanged. (A GEMM on
     the CPU cannot give a -0: its float32 sums start at +0 and flush subnormals. The logits go
     through ``mailbox.logits_to_words``, as the plain-JAX publish's do.)"""
+    from moe_front_jax.bridge import mailbox as mb
+
     halves = np.array([[0x8000, 0x8000, 0x8001, 0x8000, 0x3F80, 0xBF80]], np.uint16)
     latent = jnp.asarray(halves.view(ml_dtypes.bfloat16))
     canonical = np.where(halves == 0x8000, 0, halves).astype(np.uint32)
     want = canonical[:, 0::2] | (canonical[:, 1::2] << 16)
     np.testing.assert_array_equal(np.asarray(fg.latent_words_of(latent)), want)
     np.testing.assert_array_equal(
-        np.asarray(fg.latent_word_pairs(latent[:, 0::2], latent[:, 1::2])), want)
+        np.asarray(mb.latent_word_pairs(latent[:, 0::2], latent[:, 1::2])), want)
 
 
 def test_publish_errors():
