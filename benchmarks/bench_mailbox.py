@@ -6,10 +6,10 @@ the script times, with CUPTI (summed kernel time per call), in one process:
 - ``direct``: ``jax.jit(moe_front)(x, params)`` on ``"auto"`` (the front GEMM where the auto table
   puts it: until the sixth session's table, always XLA's; then the routing kernel);
 - ``mailbox``: ``jax.jit(moe_front, donate_argnames="mailbox")(x, params, mailbox=box)``, the box
-  threaded from call to call as a decode loop does: the publish, the collect, the routing kernel;
-- ``fused``: the same step with the routing kernel polling the mailbox itself
-  (``pallas/route_collect.py``, collect and route in one kernel), which ``moe_front`` runs with
-  ``plan=True`` only;
+  threaded from call to call as a decode loop does;
+- ``separate`` and ``fused``: the mailbox path composed by hand, XLA's GEMM and the publish kernel,
+  then the collect and routing kernels (``separate``) or the routing kernel polling the mailbox
+  itself (``fused``, ``pallas/route_collect.py``);
 - ``exchange``: the mailbox alone (``bridge.mailbox.exchange``: publish + collect), and its two kernels;
 - ``direct_plan`` and ``mailbox_plan``: both paths with ``plan=True`` (issue 7: the plan adds at most
   1 us to the latent write), the direct path planning with the plan kernel after XLA's GEMM, the
@@ -17,12 +17,14 @@ the script times, with CUPTI (summed kernel time per call), in one process:
 - ``direct_pallas`` and ``mailbox_pallas``: both paths on ``backend="pallas"``, where the front GEMM
   is the Pallas kernel at every batch and the mailbox path publishes from its epilogue
   (``front_gemm.front_gemm_publish``: no publish kernel); ``"auto"`` does the same at the shapes
-  where it runs the GEMM kernel.
+  where it runs the GEMM kernel; ``separate_pallas`` and ``fused_pallas`` as above after
+  ``front_gemm_publish``.
 
 Three weight copies (3 x 64 MB, over the 60 MB L2) and three inputs rotate; no input is zero. Also
 measured: how long a collect, and a ``route_collect``, on a never-published mailbox take to return
 their timeout status.
-``--variants`` first sweeps the kernels' block size (chunks per program, warps).
+``--variants`` first sweeps the kernels' block size (chunks per program, warps); ``--chunks 256,512``
+first times ``route_collect`` per latent chunk (``route_collect.LATENT_CHUNK``).
 
 ``--transports`` times instead the exchange alone per transport (issue 9), for tp = 1 and every power
 of two up to the GPU count, at B in {1, 8, 64}, with shards of Kimi-K3 sizes, on a ``"tp"`` mesh:
@@ -128,25 +130,45 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
         state["statuses"].append(out.status)
         return out
 
-    @functools.partial(jax.jit, donate_argnums=2)
-    def fused(x, p, box):
-        logits, latent = mf.reference.front_gemm(x, p.packed, p.split, cfg.experts_per_rank)
-        box, status = tm.publish(box, logits, latent)
-        return rc.route_collect(box, status, p.bias, batch)
+    from moe_front_jax.pallas import front_gemm as fg
+    from moe_front_jax.pallas import route as rt
 
-    def run_fused(i):
-        *out, status, state["box"] = fused(xs[i % COPIES], params[i % COPIES], state["box"])
-        state["statuses"].append(status)
-        return out
+    def composed(gemm_publishes: bool, fused: bool):
+        """One step of the mailbox path composed by hand: the publish by the front GEMM kernel's
+        epilogue or by XLA's GEMM and the publish kernel; then ``route_collect`` or the collect and
+        routing kernels."""
+
+        @functools.partial(jax.jit, donate_argnums=2)
+        def step(x, p, box):
+            if gemm_publishes:
+                box, status = fg.front_gemm_publish(x, p.packed, p.split, cfg.experts_per_rank, box)
+            else:
+                logits, latent = mf.reference.front_gemm(x, p.packed, p.split, cfg.experts_per_rank)
+                box, status = tm.publish(box, logits, latent)
+            if fused:
+                *out, status, box = rc.route_collect(box, status, p.bias, batch)
+                return out, status, box
+            logits, latent, status, box = tm.collect(box, batch, status)
+            return (*rt.route(logits, p.bias, cfg), logits, latent), status, box
+
+        def run(i):
+            out, status, state["box"] = step(xs[i % COPIES], params[i % COPIES], state["box"])
+            state["statuses"].append(status)
+            return out
+
+        return run
 
     runs = {
         "direct": run_direct,
         "mailbox": run_mailbox,
-        "fused": run_fused,
+        "separate": composed(False, False),
+        "fused": composed(False, True),
         "direct_plan": functools.partial(run_direct, plan=True),
         "mailbox_plan": functools.partial(run_mailbox, plan=True),
         "direct_pallas": functools.partial(run_direct, backend="pallas"),
         "mailbox_pallas": functools.partial(run_mailbox, backend="pallas"),
+        "separate_pallas": composed(True, False),
+        "fused_pallas": composed(True, True),
     }
     rounds = {name: [] for name in runs}
     for _ in range(2):  # interleaved, so that drift of the shared machine hits every path alike
@@ -165,30 +187,24 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
     statuses = {int(s) for s in state["statuses"]}
     if statuses != {0}:
         raise RuntimeError(f"B={batch}: mailbox statuses {statuses}, expected only 0")
-    d, m, f, dp, mp, d_pallas, m_pallas = (summarize(rounds[name]) for name in runs)
-    return dict(
-        batch=batch,
-        direct=d,
-        mailbox=m,
-        fused=f,
-        direct_plan=dp,
-        mailbox_plan=mp,
-        direct_pallas=d_pallas,
-        mailbox_pallas=m_pallas,
-        added_pallas_us=m_pallas["us"] - d_pallas["us"],
-        gemm_pallas_us=kernel_us(d_pallas, "front_gemm"),
-        gemm_publish_us=kernel_us(m_pallas, "front_gemm_publish"),
-        collect_pallas_us=kernel_us(m_pallas, "mailbox_collect"),
-        plan_added_direct_us=dp["us"] - d["us"],
-        plan_added_mailbox_us=mp["us"] - m["us"],
-        exchange=exchange,
-        added_us=m["us"] - d["us"],
-        fused_added_us=f["us"] - d["us"],
-        publish_us=kernel_us(m, "mailbox_publish"),
-        collect_us=kernel_us(m, "mailbox_collect"),
-        route_collect_us=kernel_us(f, "route_collect"),
-        route_us=kernel_us(d, "route"),
+    row = dict(batch=batch, **{name: summarize(rounds[name]) for name in runs})
+    row["exchange"] = exchange
+    for path, base in (("mailbox", "direct"), ("separate", "direct"), ("fused", "direct"),
+                       ("mailbox_pallas", "direct_pallas"), ("separate_pallas", "direct_pallas"),
+                       ("fused_pallas", "direct_pallas"), ("mailbox_plan", "direct_plan")):
+        row[f"{path}_added_us"] = row[path]["us"] - row[base]["us"]
+    row.update(
+        plan_added_direct_us=row["direct_plan"]["us"] - row["direct"]["us"],
+        plan_added_mailbox_us=row["mailbox_plan"]["us"] - row["mailbox"]["us"],
+        gemm_pallas_us=kernel_us(row["direct_pallas"], "front_gemm"),
+        gemm_publish_us=kernel_us(row["separate_pallas"], "front_gemm_publish"),
+        publish_us=kernel_us(row["separate"], "mailbox_publish"),
+        collect_us=kernel_us(row["separate"], "mailbox_collect"),
+        route_us=kernel_us(row["direct"], "route"),
+        route_collect_us=kernel_us(row["fused"], "route_collect"),
+        route_collect_pallas_us=kernel_us(row["fused_pallas"], "route_collect"),
     )
+    return row
 
 
 def timeout_seconds(cfg, batch: int, fused: bool) -> float:
@@ -236,6 +252,40 @@ def sweep_variants(cfg, params) -> list[dict]:
         rows.append(row)
         print("variant", row, flush=True)
     tm.BLOCK_CHUNKS, tm.NUM_WARPS = chosen
+    jax.clear_caches()
+    return rows
+
+
+def sweep_chunks(cfg, params, chunks: list[int]) -> list[dict]:
+    """``route_collect``'s time per latent chunk (``route_collect.LATENT_CHUNK``) over the batches,
+    after the front GEMM's publish."""
+    from moe_front_jax.pallas import front_gemm as fg
+
+    chosen = rc.LATENT_CHUNK
+    p = params[0]
+    rows = []
+    for chunk in chunks:
+        rc.LATENT_CHUNK = chunk
+        jax.clear_caches()
+        row = dict(chunk=chunk)
+        for batch in BATCHES:
+            x = (jax.random.normal(jax.random.key(7), (batch, cfg.hidden)) + 0.1).astype(jnp.bfloat16)
+            state = dict(box=mf.Mailbox.create(cfg, capacity=max(BATCHES)))
+
+            @functools.partial(jax.jit, donate_argnums=0)
+            def step(box):
+                box, status = fg.front_gemm_publish(x, p.packed, p.split, cfg.experts_per_rank, box)
+                *out, status, box = rc.route_collect(box, status, p.bias, batch)
+                return out, status, box
+
+            def run(i):
+                out, status, state["box"] = step(state["box"])
+                return out
+
+            row[batch] = kernel_us(summarize(kernel_times(run, ITERATIONS)), "route_collect")
+        rows.append(row)
+        print("route_collect chunk", row, flush=True)
+    rc.LATENT_CHUNK = chosen
     jax.clear_caches()
     return rows
 
@@ -337,6 +387,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--variants", action="store_true", help="sweep the kernels' block size first")
+    parser.add_argument("--chunks", default="",
+                        help="comma-separated latent chunks to time route_collect at first")
     parser.add_argument("--transports", action="store_true",
                         help="time only the exchange per transport (allgather, peer, gather)")
     args = parser.parse_args()
@@ -351,6 +403,8 @@ def main():
     report = dict(device=jax.devices()[0].device_kind, jax=jax.__version__)
     if args.variants:
         report["variants"] = sweep_variants(cfg, params)
+    if args.chunks:
+        report["chunks"] = sweep_chunks(cfg, params, [int(c) for c in args.chunks.split(",")])
     report["timeout_s"] = {
         f"{name} B={batch}": timeout_seconds(cfg, batch, fused)
         for name, fused in (("collect", False), ("route_collect", True))
@@ -366,32 +420,23 @@ def main():
             print(f"B={row['batch']} {path} path kernels (us):", kernels)
     print("timeout status after (s):", {b: round(s, 4) for b, s in report["timeout_s"].items()})
     print()
-    print(
-        "| B | direct us | mailbox us | added us | publish us | collect us | route us "
-        "| fused: added us | route_collect us | exchange alone us | plan adds, direct us "
-        "| plan adds, mailbox us |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("Added = that path minus the direct path on the same backend (us per call). 'separate': "
+          "collect + routing kernels; 'fused': route_collect; the publish by XLA's GEMM + the publish "
+          "kernel ('auto' columns) or by the front GEMM's epilogue ('pallas' columns).")
+    print("| B | direct | mailbox added | separate added | fused added | direct, pallas "
+          "| mailbox added, pallas | separate added, pallas | fused added, pallas | front_gemm "
+          "| front_gemm_publish | publish | collect | route | route_collect | plan adds, direct "
+          "| plan adds, mailbox |")
+    print("|" + " --- |" * 17)
     for row in report["batches"]:
-        d, m = row["direct"]["us"], row["mailbox"]["us"]
-        print(
-            f"| {row['batch']} | {d:.2f} | {m:.2f} | {row['added_us']:+.2f} | {row['publish_us']:.2f} "
-            f"| {row['collect_us']:.2f} | {row['route_us']:.2f} | {row['fused_added_us']:+.2f} | "
-            f"{row['route_collect_us']:.2f} | {row['exchange']['us']:.2f} | "
-            f"{row['plan_added_direct_us']:+.2f} | {row['plan_added_mailbox_us']:+.2f} |"
-        )
-    print()
-    print("backend='pallas': the mailbox path publishes from the front GEMM's epilogue")
-    print("| B | direct us | mailbox us | added us | front_gemm us | front_gemm_publish us "
-          "| collect us |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for row in report["batches"]:
-        print(
-            f"| {row['batch']} | {row['direct_pallas']['us']:.2f} | "
-            f"{row['mailbox_pallas']['us']:.2f} | {row['added_pallas_us']:+.2f} | "
-            f"{row['gemm_pallas_us']:.2f} | {row['gemm_publish_us']:.2f} | "
-            f"{row['collect_pallas_us']:.2f} |"
-        )
+        cells = [f"{row['direct']['us']:.2f}"]
+        cells += [f"{row[f'{p}_added_us']:+.2f}" for p in ("mailbox", "separate", "fused")]
+        cells += [f"{row['direct_pallas']['us']:.2f}"]
+        cells += [f"{row[f'{p}_pallas_added_us']:+.2f}" for p in ("mailbox", "separate", "fused")]
+        cells += [f"{row[k]:.2f}" for k in ("gemm_pallas_us", "gemm_publish_us", "publish_us",
+                                             "collect_us", "route_us", "route_collect_pallas_us")]
+        cells += [f"{row[k]:+.2f}" for k in ("plan_added_direct_us", "plan_added_mailbox_us")]
+        print(f"| {row['batch']} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

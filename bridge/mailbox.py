@@ -607,12 +607,13 @@ def _route_published(mailbox: Mailbox, status, bias, batch: int, backend: str, p
 
     cfg = mailbox.cfg
     route = backends.stage("route", backend)
-    if plan and route is not backends.REFERENCE["route"] and route_collect.fuses_plan(cfg):
+    if route is not backends.REFERENCE["route"] and (route_collect.fuses_plan(cfg) or not plan):
         if status is None:
             status = jnp.zeros((), jnp.int32)
-        return route_collect.route_collect(
-            mailbox, status, bias, batch, with_plan=True, interpret=backend == "interpret"
+        *routed, status, mailbox = route_collect.route_collect(
+            mailbox, status, bias, batch, with_plan=plan, interpret=backend == "interpret"
         )
+        return *routed[:4], routed[4] if plan else None, status, mailbox
     logits, latent, status, mailbox = _collect_published(mailbox, batch, status, backend)
     ids, weights = route(logits, bias, cfg)
     planned = backends.stage("plan", backend)(latent, cfg.plan_block) if plan else None

@@ -76,6 +76,11 @@ returned after 19 ms (B = 1) and 44-52 ms (B = 256), the collect kernel's timeou
 ``1 << 16``) being the bound to stay under."""
 
 
+LATENT_CHUNK = 512
+"""Latent words per collecting program (a power of two; ``min``-ed with the row's own power of two):
+4 words, one 16-byte access, a thread of a 4-warp program."""
+
+
 def route_collect_bytes(batch: int, cfg, with_plan: bool = False) -> int:
     """Bytes one call moves when the rows have landed (the docstring's count)."""
     words = mb.data_words(cfg)
@@ -90,55 +95,23 @@ def fuses_plan(cfg) -> bool:
     return block >= 2 and not block & (block - 1)
 
 
-def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref, status_ref,
-            ids_ref, weights_ref, logits_ref, latent_ref, *plan_refs, batch, cfg, lanes,
-            latent_lanes, slots, block_rows, widths, spin_limit, interpret):
-    del buffer_in, control_in, status_in  # aliased to buffer_ref, control_ref, status_ref
-    bb, k, experts = block_rows, cfg.top_k, cfg.experts
-    words = mb.latent_words(cfg)
-    first = pl.program_id(0) * bb
-    rows = first + lax.broadcasted_iota(jnp.int32, (bb, 1), 0)
-    lane = lax.broadcasted_iota(jnp.int32, (1, lanes), 1)
-    latent_lane = lax.broadcasted_iota(jnp.int32, (1, latent_lanes), 1)
-    row_ok = rows < batch
-    logit_ok = row_ok & (lane < experts)
-    latent_ok = row_ok & (latent_lane < words)
-    # The bias does not depend on the generation: its load is in flight beside the control word's.
-    b = plgpu.load(bias_ref.at[pl.ds(0, lanes)], mask=lane[0] < experts, other=0.0)
-    generation = control_ref[1]
+def _poll(cells, ok, status_ref, spin_limit: int):
+    """The words at ``cells`` (volatile loads, ``ok`` masking) once none under ``ok`` holds the
+    sentinel, or after ``spin_limit`` polls; returns ``(words, pending)``, ``pending`` the int32 count
+    of words still holding it.
+
+    The first load stays in flight beside whatever the caller issued before; while some word had not
+    landed (a peer still writing), the loop polls and counts, carrying only the count, then the words
+    are loaded again (that load masked off entirely, no access, when the first saw them all). Once
+    one program has timed out the step has failed: the others stop polling at once. Every thread
+    loads the status word and the block reduces what they saw, so that all warps take the same
+    decision: a warp leaving the loop one poll before another would pair its later block barriers
+    with the other's (the routing's reductions then race; seen on the H200 as wrong ids and an
+    illegal-address fault)."""
     sentinel = jnp.uint32(mb.SENTINEL)
-    # Index arrays, not slices: the padded lane ranges run past the row (masked).
-    logit_cells = buffer_ref.at[
-        generation, jnp.broadcast_to(rows, (bb, lanes)), jnp.broadcast_to(words + lane, (bb, lanes))
-    ]
-    latent_cells = buffer_ref.at[
-        generation,
-        jnp.broadcast_to(rows, (bb, latent_lanes)),
-        jnp.broadcast_to(latent_lane, (bb, latent_lanes)),
-    ]
-    slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
-    out_mask = row_ok & (slot < k)
 
-    def gather(at_rows, at, ok):
-        """The row's logit words at experts ``at`` (volatile too: a line an earlier poll cached in
-        L1 may be stale)."""
-        return plgpu.load(buffer_ref.at[generation, at_rows, words + at], mask=ok, other=0,
-                          volatile=True)
-
-    def keys_at(at):
-        """Keys of experts ``at`` ``[bb, a, b]``, loaded again: the bits ``ordered_keys`` gave them."""
-        ok = (at < experts) & row_ok[:, :, None]
-        x = lax.bitcast_convert_type(gather(jnp.broadcast_to(rows[:, :, None], at.shape), at, ok),
-                                     jnp.float32)
-        bg = plgpu.load(bias_ref.at[at], mask=at < experts, other=0.0)
-        return rt.ordered_keys(x, bg, at < experts, interpret)
-
-    def pending_words(logit_words, latent_words):
-        """Words of the block's rows still holding the sentinel (int32 scalar)."""
-        pending = jnp.sum((logit_words == sentinel).astype(jnp.int32), axis=1) + jnp.sum(
-            (latent_words == sentinel).astype(jnp.int32), axis=1
-        )
-        return jnp.sum(pending, axis=0)
+    def count(words):
+        return jnp.sum(jnp.sum((words == sentinel).astype(jnp.int32), axis=1), axis=0)
 
     def again(carry):
         pending, spins = carry
@@ -146,68 +119,115 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
 
     def poll(carry):
         _, spins = carry
-        # Once one program has timed out the step has failed: the others stop polling at once.
-        # Every thread loads the status word and the block reduces what they saw, so that all warps
-        # take the same decision: a warp leaving the loop one poll before another would pair its
-        # later block barriers with the other's (the routing's reductions then race; seen on the
-        # H200 as wrong ids and an illegal-address fault).
-        status_cells = status_ref.at[jnp.zeros((bb, lanes), jnp.int32)]
+        status_cells = status_ref.at[jnp.zeros(ok.shape, jnp.int32)]
         given_up = jnp.max(jnp.max(plgpu.load(status_cells, volatile=True), axis=1), axis=0)
-        limit, one = jnp.int32(spin_limit), jnp.int32(1)
-        logit_words = plgpu.load(logit_cells, mask=logit_ok, other=0, volatile=True)
-        latent_words = plgpu.load(latent_cells, mask=latent_ok, other=0, volatile=True)
-        spins = jnp.where(given_up != 0, limit, spins + one)
-        return pending_words(logit_words, latent_words), spins
+        words = plgpu.load(cells, mask=ok, other=0, volatile=True)
+        spins = jnp.where(given_up != 0, jnp.int32(spin_limit), spins + jnp.int32(1))
+        return count(words), spins
 
-    # The row, loaded once; while some of its words had not landed (a peer still writing), the loop
-    # polls and counts, carrying only the count; then the row is loaded again. The routing and the
-    # copy run once, on the row's last load, in straight-line code.
-    logit_words = plgpu.load(logit_cells, mask=logit_ok, other=0, volatile=True)
-    latent_words = plgpu.load(latent_cells, mask=latent_ok, other=0, volatile=True)
-    first_pending = pending_words(logit_words, latent_words)
+    words = plgpu.load(cells, mask=ok, other=0, volatile=True)
+    first_pending = count(words)
     pending, _ = lax.while_loop(again, poll, (first_pending, jnp.int32(0)))
-    polled = first_pending > 0  # the load again is masked off entirely, no access, when False
-    logit_words = plgpu.load(logit_cells, mask=logit_ok & polled, other=logit_words, volatile=True)
-    latent_words = plgpu.load(latent_cells, mask=latent_ok & polled, other=latent_words,
-                              volatile=True)
-    x = lax.bitcast_convert_type(logit_words, jnp.float32)
-    ordered = rt.ordered_keys(x, b, lane < experts, interpret)
-    if widths is None:
-        ids = rt.select_ranked(ordered, lane, slot, k)
-    else:
-        ids = rt.select_grouped(ordered, lane, slot, k, keys_at, widths)
-    # The chosen logits, gathered back from the row (unchanged until the re-arm below).
-    chosen = gather(jnp.broadcast_to(rows, (bb, slots)), ids, out_mask)
+    words = plgpu.load(cells, mask=ok & (first_pending > 0), other=words, volatile=True)
+    return words, pending
 
-    @pl.when(pending > 0)
+
+def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref, status_ref,
+            ids_ref, weights_ref, logits_ref, latent_ref, *plan_refs, batch, cfg, lanes, chunk,
+            slots, block_rows, widths, spin_limit, interpret):
+    """Programs ``[0, routers)`` collect and route the logits of ``block_rows`` rows each; the
+    others collect the latent, ``chunk`` words of one row each (``routers = cdiv(batch,
+    block_rows)``)."""
+    del buffer_in, control_in, status_in  # aliased to buffer_ref, control_ref, status_ref
+    routers = pl.cdiv(batch, block_rows)
+    program = pl.program_id(0)
+    generation = control_ref[1]
+
+    def finish(pending, cells, words, ok):
+        """Report a timeout, re-arm the words once every thread has read them, record the
+        generation read."""
+
+        @pl.when(pending > 0)
+        def _():
+            status_ref[0] = jnp.int32(mb.TIMEOUT)
+
+        if not interpret:
+            plgpu.debug_barrier()
+        plgpu.store(cells, jnp.full(words.shape, jnp.uint32(mb.SENTINEL)), mask=ok)
+        control_ref[0] = generation
+
+    @pl.when(program < routers)
     def _():
-        status_ref[0] = jnp.int32(mb.TIMEOUT)
+        bb, k, experts = block_rows, cfg.top_k, cfg.experts
+        words = mb.latent_words(cfg)
+        first = program * bb
+        rows = first + lax.broadcasted_iota(jnp.int32, (bb, 1), 0)
+        lane = lax.broadcasted_iota(jnp.int32, (1, lanes), 1)
+        row_ok = rows < batch
+        logit_ok = row_ok & (lane < experts)
+        # The bias does not depend on the generation: its load is in flight beside the control word's.
+        b = plgpu.load(bias_ref.at[pl.ds(0, lanes)], mask=lane[0] < experts, other=0.0)
+        # Index arrays, not slices: the padded lane range runs past the row (masked).
+        logit_cells = buffer_ref.at[
+            generation, jnp.broadcast_to(rows, (bb, lanes)), jnp.broadcast_to(words + lane, (bb, lanes))
+        ]
+        slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
+        out_mask = row_ok & (slot < k)
 
-    if not interpret:
-        plgpu.debug_barrier()  # every thread's gather has read the row before any re-arms it
-    chosen = lax.bitcast_convert_type(chosen, jnp.float32)
-    plgpu.store(ids_ref.at[pl.ds(first, bb), pl.ds(0, slots)], ids, mask=out_mask)
-    plgpu.store(
-        weights_ref.at[pl.ds(first, bb), pl.ds(0, slots)],
-        rt.routing_weights(chosen, slot, cfg, interpret),
-        mask=out_mask,
-    )
-    plgpu.store(logits_ref.at[pl.ds(first, bb), pl.ds(0, lanes)], x, mask=logit_ok)
-    plgpu.store(latent_ref.at[pl.ds(first, bb), pl.ds(0, latent_lanes)], latent_words, mask=latent_ok)
-    if plan_refs:
-        values_ref, scales_ref = plan_refs
-        block = cfg.plan_block
-        values, scales = plan.quantize_word_tile(latent_words, block)
-        scale_lane = lax.broadcasted_iota(jnp.int32, (1, 2 * latent_lanes // block), 1)
-        plgpu.store(values_ref.at[pl.ds(first, bb), pl.ds(0, latent_lanes)], values, mask=latent_ok)
+        def gather(at_rows, at, ok):
+            """The row's logit words at experts ``at`` (volatile too: a line an earlier poll cached in
+            L1 may be stale)."""
+            return plgpu.load(buffer_ref.at[generation, at_rows, words + at], mask=ok, other=0,
+                              volatile=True)
+
+        def keys_at(at):
+            """Keys of experts ``at`` ``[bb, a, b]``, loaded again: the bits ``ordered_keys`` gave
+            them."""
+            ok = (at < experts) & row_ok[:, :, None]
+            x = lax.bitcast_convert_type(gather(jnp.broadcast_to(rows[:, :, None], at.shape), at, ok),
+                                         jnp.float32)
+            bg = plgpu.load(bias_ref.at[at], mask=at < experts, other=0.0)
+            return rt.ordered_keys(x, bg, at < experts, interpret)
+
+        # The routing runs once, on the logits' last load, in straight-line code after the polling.
+        logit_words, pending = _poll(logit_cells, logit_ok, status_ref, spin_limit)
+        x = lax.bitcast_convert_type(logit_words, jnp.float32)
+        ordered = rt.ordered_keys(x, b, lane < experts, interpret)
+        if widths is None:
+            ids = rt.select_ranked(ordered, lane, slot, k)
+        else:
+            ids = rt.select_grouped(ordered, lane, slot, k, keys_at, widths)
+        # The chosen logits, gathered back from the row (unchanged until the re-arm below).
+        chosen = lax.bitcast_convert_type(gather(jnp.broadcast_to(rows, (bb, slots)), ids, out_mask),
+                                          jnp.float32)
+        plgpu.store(ids_ref.at[pl.ds(first, bb), pl.ds(0, slots)], ids, mask=out_mask)
         plgpu.store(
-            scales_ref.at[pl.ds(first, bb), pl.ds(0, scales.shape[1])],
-            scales,
-            mask=row_ok & (scale_lane < cfg.latent // block),
+            weights_ref.at[pl.ds(first, bb), pl.ds(0, slots)],
+            rt.routing_weights(chosen, slot, cfg, interpret),
+            mask=out_mask,
         )
-    plgpu.store(logit_cells, jnp.full(logit_words.shape, sentinel), mask=logit_ok)
-    plgpu.store(latent_cells, jnp.full(latent_words.shape, sentinel), mask=latent_ok)
-    control_ref[0] = generation
+        plgpu.store(logits_ref.at[pl.ds(first, bb), pl.ds(0, lanes)], x, mask=logit_ok)
+        finish(pending, logit_cells, logit_words, logit_ok)
+
+    @pl.when(program >= routers)
+    def _():
+        chunks = pl.cdiv(mb.latent_words(cfg), chunk)
+        row, part = (program - routers) // chunks, (program - routers) % chunks
+        column = part * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+        ok = column < mb.latent_words(cfg)
+        cells = buffer_ref.at[generation, jnp.broadcast_to(row, (1, chunk)), column]
+        latent_words, pending = _poll(cells, ok, status_ref, spin_limit)
+        plgpu.store(latent_ref.at[pl.ds(row, 1), pl.ds(part * chunk, chunk)], latent_words, mask=ok)
+        if plan_refs:
+            values_ref, scales_ref = plan_refs
+            block = cfg.plan_block
+            values, scales = plan.quantize_word_tile(latent_words, block)
+            per_chunk = 2 * chunk // block
+            scale = part * per_chunk + lax.broadcasted_iota(jnp.int32, (1, per_chunk), 1)
+            plgpu.store(values_ref.at[pl.ds(row, 1), pl.ds(part * chunk, chunk)], values, mask=ok)
+            plgpu.store(scales_ref.at[pl.ds(row, 1), pl.ds(part * per_chunk, per_chunk)], scales,
+                        mask=scale < cfg.latent // block)
+        finish(pending, cells, latent_words, ok)
 
 
 def route_collect(
@@ -262,12 +282,15 @@ def route_collect(
         raise ValueError(f"config must be a RouteConfig or None, got {type(config).__name__}")
     block_rows = min(config.block_rows, rt.next_power_of_2(batch))
     words = mb.latent_words(cfg)
+    chunk = min(LATENT_CHUNK, rt.next_power_of_2(words))
+    if with_plan:  # whole plan blocks per latent program
+        chunk = max(chunk, cfg.plan_block // 2)
     kernel = functools.partial(
         _kernel,
         batch=batch,
         cfg=cfg,
         lanes=rt.next_power_of_2(cfg.experts),
-        latent_lanes=rt.next_power_of_2(words),
+        chunk=chunk,
         slots=rt.next_power_of_2(cfg.top_k),
         block_rows=block_rows,
         widths=rt.group_widths(config, cfg.experts, cfg.top_k),
@@ -290,7 +313,7 @@ def route_collect(
             jax.ShapeDtypeStruct((batch, words), jnp.uint32),
             *(plan_shapes if with_plan else []),
         ],
-        grid=(pl.cdiv(batch, block_rows),),
+        grid=(pl.cdiv(batch, block_rows) + batch * pl.cdiv(words, chunk),),
         input_output_aliases={0: 0, 1: 1, 2: 2},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
