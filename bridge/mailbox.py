@@ -527,8 +527,8 @@ def exchange_route(
     words it collects (``pallas/route_collect.py``: collect, route and plan in one launch, the plan
     in the pass that writes the latent). Otherwise ``exchange`` (the collect kernel), the routing and
     the plan stages run one after the other: on the H200, with the groups selection, the separate
-    collect and routing kernels measured 0.4-0.9 us faster than ``route_collect`` at B <= 64
-    (benchmarks/RESULTS.md, fourth session). The outputs are the same bits either way.
+    collect and routing kernels measured 0.35-0.7 us faster than ``route_collect`` at B <= 64
+    (benchmarks/RESULTS.md, eighth session). The outputs are the same bits either way.
 
     Args:
       mailbox, logits, latent_shard, axis_name, backend, transport: as for ``exchange``.
@@ -607,13 +607,12 @@ def _route_published(mailbox: Mailbox, status, bias, batch: int, backend: str, p
 
     cfg = mailbox.cfg
     route = backends.stage("route", backend)
-    if route is not backends.REFERENCE["route"] and (route_collect.fuses_plan(cfg) or not plan):
+    if plan and route is not backends.REFERENCE["route"] and route_collect.fuses_plan(cfg):
         if status is None:
             status = jnp.zeros((), jnp.int32)
-        *routed, status, mailbox = route_collect.route_collect(
-            mailbox, status, bias, batch, with_plan=plan, interpret=backend == "interpret"
+        return route_collect.route_collect(
+            mailbox, status, bias, batch, with_plan=True, interpret=backend == "interpret"
         )
-        return *routed[:4], routed[4] if plan else None, status, mailbox
     logits, latent, status, mailbox = _collect_published(mailbox, batch, status, backend)
     ids, weights = route(logits, bias, cfg)
     planned = backends.stage("plan", backend)(latent, cfg.plan_block) if plan else None

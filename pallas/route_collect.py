@@ -19,23 +19,27 @@ last published, what ``mailbox.collect`` followed by ``route.route`` does, in on
    pass that writes the latent, as SPEC section 5 and issue #7 ask, with no second read of it;
 5. re-arm the row's data words with the sentinel and record the generation read in ``control[0]``.
 
-Why one kernel: on the mailbox path at decode batch sizes each kernel costs its launch and its first
-round trip to memory, not bandwidth (``triton_mailbox``'s byte counts). The collect's copy needs the
-row in registers, and so does the routing: here the row is loaded once and the collect's separate
-launch is gone. The routing runs once, on the row's last load, in straight-line code after the
-polling loop, which carries only its count of pending words. Whether to poll again is decided the
-same way by every warp of a program (block-wide reductions of the words and of the status word):
-a warp leaving the loop before another would pair its later block barriers with the other's, and
-on the H200 rows polled tens of thousands of times (a never-published mailbox) then came out with
-wrong ids or an illegal-address fault (benchmarks/RESULTS.md). The bias is loaded beside the
-control word, whose generation every row address depends on.
+Two kinds of program share the grid. The first ``cdiv(batch, block_rows)`` take the routing
+schedule's row blocks and collect only the logits (3.5 KB a row for Kimi-K3), which the routing
+needs in registers; each of the others collects ``LATENT_CHUNK`` latent words of one row (and plans
+them), so the 7 KB of latent a row never passes through a routing program's registers. Both poll
+the same way (``_poll``): the routing runs once, on the logits' last load, in straight-line code
+after the polling loop, which carries only its count of pending words. Whether to poll again is
+decided the same way by every warp of a program (block-wide reductions of the words and of the
+status word): a warp leaving the loop before another would pair its later block barriers with the
+other's, and on the H200 rows polled tens of thousands of times (a never-published mailbox) then
+came out with wrong ids or an illegal-address fault (benchmarks/RESULTS.md). The bias is loaded
+beside the control word, whose generation every row address depends on.
 
-Measured (H200, CUPTI, 2026-12-03, benchmarks/RESULTS.md, fourth session), K3 with the groups
-selection at B = 1 / 8 / 64 / 256: 5.70 / 5.63 / 5.95 / 10.85 us, against 1.28-3.52 us for the
-collect kernel plus 3.55-4.54 for the routing kernel: 0.4-0.9 us slower than the two at B <= 64. A
-form that loaded the row and its second looks through L1 was no faster (5.73-6.24 us), so the
-volatile loads are not the cost. ``moe_front`` therefore runs it only with ``plan=True``, where it
-also replaces the plan kernel: the plan adds 0.1-0.4 us to it.
+Measured (H200, CUPTI, benchmarks/RESULTS.md), K3 with the groups selection at B = 1 / 8 / 64 / 256,
+after the front GEMM's publish: 5.18 / 5.63 / 5.92 / 10.58 us (eighth session), against 5.70 / 5.60
+/ 5.95 / 10.75 us when the routing programs collected the whole row (seventh session), and against
+4.70 / 4.94 / 5.57 / 8.13 us for the collect kernel plus the routing kernel in the same run. One
+launch fewer, yet 0.35-0.7 us slower at B <= 64. A likely cause, not profiled: the routing here
+starts only after the control word's load, the row's load that depends on it and the poll's block
+reduction (loading the row and its second looks through L1 instead, tried in the fourth session,
+was no faster). ``moe_front``
+therefore runs it only with ``plan=True``, where it also replaces the plan kernel.
 
 Protocol. The same as ``triton_mailbox.mailbox_collect``'s (``mailbox``'s docstring has the layout,
 the generations and why the immediate re-arm is safe): a program owns its rows, reads generation
@@ -76,9 +80,11 @@ returned after 19 ms (B = 1) and 44-52 ms (B = 256), the collect kernel's timeou
 ``1 << 16``) being the bound to stay under."""
 
 
-LATENT_CHUNK = 512
-"""Latent words per collecting program (a power of two; ``min``-ed with the row's own power of two):
-4 words, one 16-byte access, a thread of a 4-warp program."""
+LATENT_CHUNK = 1024
+"""Latent words per collecting program (``min``-ed with the row's power of two): two 16-byte
+accesses per thread of a 4-warp program. Of 256, 512 and 1024 on the H200 (benchmarks/RESULTS.md,
+eighth session): within 0.1-0.4 us of each other at B <= 64, 1024 the fastest at B = 256 (10.58 us
+against 12.88 and 14.78)."""
 
 
 def route_collect_bytes(batch: int, cfg, with_plan: bool = False) -> int:
