@@ -387,9 +387,13 @@ def _store_tile(y, g: Geometry, first_row, is_latent, row_ok, batch_ok, outs: _O
         column = first_row - g.split
         latent = y.T.astype(jnp.bfloat16)  # [batch_tile, block_rows], as stored
         if g.publish:
-            words_left = (g.shard - column) // 2
+            # lax.div, not //: Python's floor division lowers to a division and sign fix-ups that
+            # hide from Triton that the column is a multiple of the tile; compiled for sm_90, the
+            # words then went out as 32-bit stores where the plain epilogue's are 16-byte vectors.
+            # (The columns are never negative: both divisions agree.)
+            words_left = lax.div(g.shard - column, 2)
             word_ok = batch_ok & (lax.broadcasted_iota(jnp.int32, (1, bn // 2), 1) < words_left)
-            cells = outs.buffer.at[outs.generation, pl.ds(0, bp), pl.ds(column // 2, bn // 2)]
+            cells = outs.buffer.at[outs.generation, pl.ds(0, bp), pl.ds(lax.div(column, 2), bn // 2)]
             plgpu.store(cells, latent_words_of(latent), mask=word_ok)
             return
         plgpu.store(outs.latent.at[pl.ds(0, bp), pl.ds(column, bn)], latent, mask=out_ok)
@@ -525,8 +529,8 @@ def _vector_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
             # The shard is even and its tiles start at even columns: a pair is in or out together.
             words = mb.latent_word_pairs(*latent) if len(latent) == 2 else latent_words_of(latent[0])
             n = g.tile_rows // 2
-            word_ok = lax.broadcasted_iota(jnp.int32, (n,), 0) < (g.shard - column) // 2
-            plgpu.store(outs.buffer.at[outs.generation, row, pl.ds(column // 2, n)], words,
+            word_ok = lax.broadcasted_iota(jnp.int32, (n,), 0) < lax.div(g.shard - column, 2)
+            plgpu.store(outs.buffer.at[outs.generation, row, pl.ds(lax.div(column, 2), n)], words,
                         mask=word_ok)
     outs.close(pl.program_id(0) == 0)
 

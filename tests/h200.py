@@ -41,3 +41,23 @@ def verified_triton_modules():
         yield
     finally:
         lowering.lower_jaxpr_to_triton_module = lower
+
+
+def triton_ir_for_h200(fn, *args) -> list[str]:
+    """The Triton IR (TTIR text) of each Pallas kernel of ``jax.jit(fn)(*args)`` lowered for an H200,
+    for Triton to compile without a GPU."""
+    captured = []
+    lowering = pallas_call_registration.lowering
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        captured.append(result.module.operation.get_asm())
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        lower_for_h200(fn, *args)
+    finally:
+        lowering.lower_jaxpr_to_triton_module = lower
+    return captured

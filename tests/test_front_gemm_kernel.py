@@ -15,7 +15,7 @@ import moe_front_jax as mf
 from moe_front_jax import backends, reference
 from moe_front_jax.params import padded_split
 from moe_front_jax.pallas import front_gemm as fg
-from h200 import H200, lower_for_h200
+from h200 import H200, lower_for_h200, triton_ir_for_h200
 import oracle
 
 K3 = mf.KIMI_K3
@@ -343,6 +343,39 @@ def test_publish_lowers_for_h200_as_one_kernel_updating_the_mailbox_in_place():
             assert (f"output_tuple_indices = [{output}], operand_index = {operand}" in text), batch
         for op in ("stablehlo.convert", "stablehlo.slice", "stablehlo.dot_general"):
             assert op not in text, (batch, op)
+
+
+@pytest.mark.parametrize("batch", [8, 64, 256])
+def test_publish_epilogue_stores_16_byte_vectors_on_sm90(batch, monkeypatch, tmp_path):
+    """Compiled for sm_90 by Triton alone (no GPU), the tuned stream-K (B = 8, 64) and split-K
+    (B = 256) schedules publish the words with as many 16-byte stores as ``front_gemm`` stores its
+    outputs with; the publish's only 32-bit stores are the control and status words. (With the word
+    column divided by Python's ``//``, B = 64 stored the latent's words with 32 separate 32-bit
+    stores.)"""
+    triton = pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # see the mailbox kernels' compile test
+    from triton.backends.compiler import GPUTarget
+
+    valid, split, shard = k3_shape(1)
+    config = fg.load_table("NVIDIA H200")[(fg.table_key(valid, shard, K3.hidden, batch), False)]
+    w = jnp.zeros((split + shard, K3.hidden), jnp.bfloat16)
+    x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
+    box = mf.Mailbox.create(K3, capacity=256)
+    kernels = {
+        "direct": triton_ir_for_h200(lambda x, w: fg.front_gemm(x, w, split, valid), x, w),
+        "publish": triton_ir_for_h200(
+            lambda x, w, box: fg.front_gemm_publish(x, w, split, valid, box), x, w, box),
+    }
+    stores = {}
+    for name, [ttir] in kernels.items():
+        path = tmp_path / f"{name}.ttir"
+        path.write_text(ttir)
+        compiled = triton.compile(str(path), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=config.num_warps,
+                                               num_stages=config.num_stages))
+        ptx = compiled.asm["ptx"]
+        stores[name] = (ptx.count("st.global.v4.b32"), ptx.count("st.global.b32"))
+    assert stores["publish"] == (stores["direct"][0], 2), stores
 
 
 @pytest.mark.parametrize("programs", [0, 264])
