@@ -527,7 +527,7 @@ def exchange_route(
     words it collects (``pallas/route_collect.py``: collect, route and plan in one launch, the plan
     in the pass that writes the latent). Otherwise ``exchange`` (the collect kernel), the routing and
     the plan stages run one after the other: on the H200, with the groups selection, the separate
-    collect and routing kernels measured 0.35-0.7 us faster than ``route_collect`` at B <= 64
+    collect and routing kernels measured 0.3-0.6 us faster than ``route_collect`` at B <= 64
     (benchmarks/RESULTS.md, eighth session). The outputs are the same bits either way.
 
     Args:

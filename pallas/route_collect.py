@@ -34,11 +34,11 @@ beside the control word, whose generation every row address depends on.
 Measured (H200, CUPTI, benchmarks/RESULTS.md), K3 with the groups selection at B = 1 / 8 / 64 / 256,
 after the front GEMM's publish: 5.18 / 5.63 / 5.92 / 10.58 us (eighth session), against 5.70 / 5.60
 / 5.95 / 10.75 us when the routing programs collected the whole row (seventh session), and against
-4.70 / 4.94 / 5.57 / 8.13 us for the collect kernel plus the routing kernel in the same run. One
-launch fewer, yet 0.35-0.7 us slower at B <= 64. A likely cause, not profiled: the routing here
-starts only after the control word's load, the row's load that depends on it and the poll's block
-reduction (loading the row and its second looks through L1 instead, tried in the fourth session,
-was no faster). ``moe_front``
+4.67 / 5.06 / 5.63 / 9.28 us for the collect kernel plus the routing kernel in the same run. One
+launch fewer, yet 0.3-0.6 us slower at B <= 64. Switching its parts off one by one (eighth session,
+branch ``ablate``): the volatile gathers cost 0.25-0.55 us, the polling, the control word, the
+re-arm and the latent programs 0.2 us at most each, and with all of them off it still took 1.25-1.6
+us more than the routing kernel alone (not profiled). ``moe_front``
 therefore runs it only with ``plan=True``, where it also replaces the plan kernel.
 
 Protocol. The same as ``triton_mailbox.mailbox_collect``'s (``mailbox``'s docstring has the layout,
