@@ -37,14 +37,15 @@ after the front GEMM's publish: 5.18 / 5.63 / 5.92 / 10.58 us (eighth session), 
 4.67 / 5.06 / 5.63 / 9.28 us for the collect kernel plus the routing kernel in the same run. One
 launch fewer, yet 0.3-0.6 us slower at B <= 64. Switching its parts off one by one (eighth session,
 branch ``ablate``): the volatile gathers cost 0.25-0.55 us, the polling, the control word, the
-re-arm and the latent programs 0.2 us at most each, and with all of them off it still took 1.25-1.6
-us more than the routing kernel alone (not profiled). ``moe_front``
+re-arm and the latent programs 0.2 us at most each; with all of them off, run alone, it still took
+1.1 us more than the routing kernel, with nearly the same code for sm_90 (not profiled). ``moe_front``
 therefore runs it only with ``plan=True``, where it also replaces the plan kernel.
 
 Protocol. The same as ``triton_mailbox.mailbox_collect``'s (``mailbox``'s docstring has the layout,
-the generations and why the immediate re-arm is safe): a program owns its rows, reads generation
-``control[1]`` and writes only ``control[0]``, writes ``status`` only to report its own timeout, and
-re-arms only after a block barrier, once every thread has read the row (its gather included).
+the generations and why the immediate re-arm is safe): a program owns its words (its rows' logits,
+or its chunk of a row's latent), reads generation ``control[1]`` and writes only ``control[0]``,
+writes ``status`` only to report its own timeout, and re-arms only after a block barrier, once every
+thread has read the words (the routing's gathers included).
 
 Backend: Pallas' Triton lowering, as ``route``: ``plgpu.load(..., volatile=True)`` polls,
 ``input_output_aliases`` updates the buffer, control and status in place, and ``lax.while_loop``
