@@ -5,7 +5,7 @@
 
 ``dump`` lowers ``route.route`` for an H200 from the CPU (as tests/h200.py does) for each config,
 selection and schedule of ``CASES`` and writes the Triton IR that Pallas hands to XLA, as text
-(captured from ``jax._src.pallas.triton.lowering``, a private module: this is a tool, not a test).
+(captured by ``tests/h200.triton_ir_for_h200`` from a private module of Pallas: a tool, not a test).
 ``compile`` compiles each file with Triton alone for sm_90 (``triton.compile`` on ``.ttir``), runs the
 bundled ``ptxas -v`` and ``cuobjdump -sass``, and prints per kernel: registers, spill bytes, barriers
 (``bar.sync`` in the PTX), shuffles, ``ttg.convert_layout`` ops and SASS instructions. Static counts
@@ -41,37 +41,25 @@ CASES = [
 
 def dump(out: str) -> None:
     import jax.numpy as jnp
-    from jax._src.pallas.triton import lowering
 
     import moe_front_jax as mf
     from moe_front_jax.pallas import route as rt
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from h200 import lower_for_h200
+    from h200 import triton_ir_for_h200
 
     configs = {
         "k3": mf.KIMI_K3,
         "e1024_top32": mf.FrontConfig(hidden=256, experts=1024, top_k=32, latent=128, shared=0),
         "e100_top6": mf.FrontConfig(hidden=256, experts=100, top_k=6, latent=128, shared=0),
     }
-    captured = []
-    lower = lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        captured.append(result.module.operation.get_asm())
-        return result
-
-    lowering.lower_jaxpr_to_triton_module = capture
     os.makedirs(out, exist_ok=True)
     for name, select, rows, warps, group, width, batch in CASES:
         cfg = configs[name]
         config = rt.RouteConfig(rows, warps, select, group, width)
-        captured.clear()
-        lower_for_h200(lambda l, b: rt.route(l, b, cfg, config=config),
-                       jnp.zeros((batch, cfg.experts), jnp.float32),
-                       jnp.zeros((cfg.experts,), jnp.float32))
-        [text] = captured
+        [text] = triton_ir_for_h200(lambda l, b: rt.route(l, b, cfg, config=config),
+                                    jnp.zeros((batch, cfg.experts), jnp.float32),
+                                    jnp.zeros((cfg.experts,), jnp.float32))
         path = os.path.join(out, f"{name}_B{batch}_{config.name}.w{warps}.ttir")
         with open(path, "w") as f:
             f.write(text)
