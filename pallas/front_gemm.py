@@ -366,6 +366,15 @@ def latent_words_of(latent):
     return mb.latent_word_pairs(*lax.unstack(pairs, axis=pairs.ndim - 1))
 
 
+def _word_of(column):
+    """The mailbox word holding latent column ``column`` (never negative), or the words left past it
+    when given a count of columns. ``lax.div``, not ``//``: Python's floor division lowers to a
+    division and sign fix-ups that hide from Triton that a tile's column is a multiple of the tile;
+    compiled for sm_90, the words then went out as 32-bit stores where the plain epilogue's are
+    16-byte vectors."""
+    return lax.div(column, 2)
+
+
 def _store_tile(y, g: Geometry, first_row, is_latent, row_ok, batch_ok, outs: _Outputs):
     """The finished tile ``y`` ``[block_rows, batch_tile]`` float32 to the logits, or to the latent
     (bfloat16) and, with the plan, its MXFP8 values and scales; with the mailbox, as canonical words
@@ -387,13 +396,9 @@ def _store_tile(y, g: Geometry, first_row, is_latent, row_ok, batch_ok, outs: _O
         column = first_row - g.split
         latent = y.T.astype(jnp.bfloat16)  # [batch_tile, block_rows], as stored
         if g.publish:
-            # lax.div, not //: Python's floor division lowers to a division and sign fix-ups that
-            # hide from Triton that the column is a multiple of the tile; compiled for sm_90, the
-            # words then went out as 32-bit stores where the plain epilogue's are 16-byte vectors.
-            # (The columns are never negative: both divisions agree.)
-            words_left = lax.div(g.shard - column, 2)
+            words_left = _word_of(g.shard - column)
             word_ok = batch_ok & (lax.broadcasted_iota(jnp.int32, (1, bn // 2), 1) < words_left)
-            cells = outs.buffer.at[outs.generation, pl.ds(0, bp), pl.ds(lax.div(column, 2), bn // 2)]
+            cells = outs.buffer.at[outs.generation, pl.ds(0, bp), pl.ds(_word_of(column), bn // 2)]
             plgpu.store(cells, latent_words_of(latent), mask=word_ok)
             return
         plgpu.store(outs.latent.at[pl.ds(0, bp), pl.ds(column, bn)], latent, mask=out_ok)
@@ -529,8 +534,8 @@ def _vector_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
             # The shard is even and its tiles start at even columns: a pair is in or out together.
             words = mb.latent_word_pairs(*latent) if len(latent) == 2 else latent_words_of(latent[0])
             n = g.tile_rows // 2
-            word_ok = lax.broadcasted_iota(jnp.int32, (n,), 0) < lax.div(g.shard - column, 2)
-            plgpu.store(outs.buffer.at[outs.generation, row, pl.ds(lax.div(column, 2), n)], words,
+            word_ok = lax.broadcasted_iota(jnp.int32, (n,), 0) < _word_of(g.shard - column)
+            plgpu.store(outs.buffer.at[outs.generation, row, pl.ds(_word_of(column), n)], words,
                         mask=word_ok)
     outs.close(pl.program_id(0) == 0)
 

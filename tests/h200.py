@@ -50,8 +50,8 @@ def triton_ir_for_h200(fn, *args) -> list[str]:
     lowering = pallas_call_registration.lowering
     lower = lowering.lower_jaxpr_to_triton_module
 
-    def capture(*args, **kwargs):
-        result = lower(*args, **kwargs)
+    def capture(*lower_args, **lower_kwargs):
+        result = lower(*lower_args, **lower_kwargs)
         captured.append(result.module.operation.get_asm())
         return result
 
