@@ -322,7 +322,7 @@ def bench_transports(tp: int, batch: int) -> dict:
             jax.shard_map, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False
         )
         def step(buffers, controls, logits, latent):
-            box = mf.Mailbox(buffers[0], controls[0], cfg)
+            box = mf.Mailbox(buffers[0], controls[0], one.tickets, cfg)
             got_logits, got_latent, status, box = mb.exchange(
                 box, logits[0], latent[0], axis_name="tp", transport=transport
             )

@@ -57,6 +57,16 @@ out. That never erases a value of a later step:
    ``t + 1`` into a row its peer has not collected yet. The default ``G = 3`` follows TensorRT-LLM's
    Lamport buffers and leaves one step of slack for a re-arm deferred into the next call.
 
+Tile tickets
+------------
+``Mailbox.tickets`` holds int32 counters for the front GEMM kernel that publishes into the mailbox
+(``front_gemm.front_gemm_publish``): its split-K and stream-K schedules hand a tile's float32
+partials to the tile's last program through a counter per tile, and that program zeroes the counter
+again. Kept in the mailbox from call to call, the counters need no zeroing kernel before each GEMM,
+which ``front_gemm``'s fresh counters do (0.64 us on the H200). They must be zero between calls:
+``Mailbox.create`` makes them so and every call leaves them so; a counter found non-zero would hand a
+tile to the wrong program.
+
 Bounded polling and the status
 ------------------------------
 Polling stops after a spin limit (``triton_mailbox.SPIN_LIMIT`` iterations on the GPU). A chunk that
@@ -102,6 +112,7 @@ from jax import lax
 
 from moe_front_jax import backends
 from moe_front_jax.config import FrontConfig
+from moe_front_jax.pallas.streaming import MIN_DOT
 
 SENTINEL = 0x80000000
 """The armed word: float32 -0.0. No published data word equals it."""
@@ -128,6 +139,13 @@ def row_words(cfg: FrontConfig) -> int:
     return -(-data_words(cfg) // CHUNK_WORDS) * CHUNK_WORDS
 
 
+def ticket_count(cfg: FrontConfig) -> int:
+    """Tile counters of ``Mailbox.tickets``: one per tile of the front GEMM's narrowest tensor-core
+    schedule over a rank's rows (``MIN_DOT`` rows a tile, router and latent rows tiled apart), so
+    enough for any schedule of ``front_gemm.front_gemm_publish``: 280 for Kimi-K3 at tp = 1."""
+    return -(-cfg.experts_per_rank // MIN_DOT) + -(-cfg.latent_per_rank // MIN_DOT)
+
+
 def armed_row(cfg: FrontConfig) -> np.ndarray:
     """An armed row, ``[row_words]`` uint32: the sentinel in every data word, zero in the padding."""
     row = np.zeros(row_words(cfg), np.uint32)
@@ -147,11 +165,14 @@ class Mailbox:
       buffer: ``[generations, capacity, words]`` uint32 rows (layout in the module docstring).
       control: ``[2]`` int32: the generation the last collect read, and the one the last publish
         wrote (``[G - 1, G - 1]`` when new).
+      tickets: ``[ticket_count(cfg)]`` int32, zero between calls: the tile counters of the split-K
+        and stream-K schedules of the front GEMM publishing into the mailbox (module docstring).
       cfg: the model config the rows are laid out for (static).
     """
 
     buffer: jax.Array
     control: jax.Array
+    tickets: jax.Array
     cfg: FrontConfig = dataclasses.field(metadata=dict(static=True))
 
     TIMEOUT: ClassVar[int] = TIMEOUT
@@ -186,7 +207,7 @@ class Mailbox:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         rows = np.broadcast_to(armed_row(cfg), (generations, capacity, row_words(cfg)))
         control = jnp.full((CONTROL_WORDS,), generations - 1, jnp.int32)
-        return cls(jnp.asarray(rows), control, cfg)
+        return cls(jnp.asarray(rows), control, jnp.zeros((ticket_count(cfg),), jnp.int32), cfg)
 
     @property
     def generations(self) -> int:
@@ -220,6 +241,12 @@ def check_mailbox(mailbox, cfg: FrontConfig, batch: int) -> None:
         raise ValueError(
             f"mailbox.control is {tuple(control.shape)} {control.dtype}, "
             f"expected ({CONTROL_WORDS},) int32"
+        )
+    tickets = mailbox.tickets
+    if tuple(tickets.shape) != (ticket_count(cfg),) or tickets.dtype != jnp.int32:
+        raise ValueError(
+            f"mailbox.tickets is {tuple(tickets.shape)} {tickets.dtype}, expected "
+            f"({ticket_count(cfg)},) int32"
         )
     if batch > mailbox.capacity:
         raise ValueError(
@@ -351,7 +378,7 @@ def publish(
         mailbox.buffer, latent_to_words(latent_shard)[None], (generation, 0, latent_at)
     )
     buffer = lax.dynamic_update_slice(buffer, logits_to_words(logits)[None], (generation, 0, logits_at))
-    return Mailbox(buffer, mailbox.control.at[1].set(generation), cfg)
+    return dataclasses.replace(mailbox, buffer=buffer, control=mailbox.control.at[1].set(generation))
 
 
 def collect(
@@ -391,7 +418,7 @@ def collect(
     armed = jnp.full((1, batch, data_words(cfg)), SENTINEL, jnp.uint32)
     buffer = lax.dynamic_update_slice(buffer, armed, (generation, 0, 0))
     control = control.at[0].set(generation)
-    return logits, latent, status, Mailbox(buffer, control, cfg)
+    return logits, latent, status, dataclasses.replace(mailbox, buffer=buffer, control=control)
 
 
 def _check_exchange(mailbox, logits, latent_shard, axis_name, transport) -> int:

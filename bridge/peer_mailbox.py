@@ -58,6 +58,7 @@ carrying an all-gather; ``mailbox.publish`` is the plain-JAX statement of the sa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -195,4 +196,4 @@ def publish(mailbox: mb.Mailbox, logits: jax.Array, latent_shard: jax.Array,
     control = jax.new_ref(mailbox.control)
     buffer = jax.new_ref(mailbox.buffer)
     status = kernel(logit_words, latent_words, control, buffer)
-    return mb.Mailbox(buffer[...], control[...], cfg), status
+    return dataclasses.replace(mailbox, buffer=buffer[...], control=control[...]), status

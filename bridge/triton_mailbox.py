@@ -26,6 +26,8 @@ their launch and the dependency between them, not bandwidth.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import triton
@@ -189,7 +191,7 @@ def publish(
         GENERATIONS=mailbox.generations,
         **layout(cfg),
     )
-    return mb.Mailbox(buffer, control, cfg), status
+    return dataclasses.replace(mailbox, buffer=buffer, control=control), status
 
 
 def collect(
@@ -226,4 +228,4 @@ def collect(
         TIMEOUT=mb.TIMEOUT,
         **layout(cfg),
     )
-    return logits, latent, status, mb.Mailbox(buffer, control, cfg)
+    return logits, latent, status, dataclasses.replace(mailbox, buffer=buffer, control=control)

@@ -27,8 +27,11 @@ CTA barrier); the last of the tile's programs to arrive sums the ``split_k`` par
 with the shared expert's kernels). That reduction lives in the GEMM
 kernel rather than in a second Pallas kernel so that no cast or reduction pass follows it; its price
 is the partials' round trip through L2 (``2 * 4 * B * n * split_k`` bytes when split) and a zeroed
-int32 counter per tile, which XLA writes with a small broadcast kernel before the GEMM (a fresh
-buffer per call: JAX has no persistent scratch to keep self-resetting counters in).
+int32 counter per tile. The tile's last program zeroes its counter again, so counters kept from call
+to call need no zeroing: ``front_gemm_publish`` keeps them in the mailbox (``Mailbox.tickets``),
+where ``front_gemm`` and ``front_gemm_plan`` take a fresh zeroed buffer per call, which XLA writes
+with a broadcast kernel before the GEMM (0.64 us on the H200: JAX has no persistent scratch
+outside the state a caller threads).
 
 Stream-K (``FrontGemmConfig(programs=P)``): the ``tiles x steps`` iterations (one ``block_k`` step
 of one tile) are cut into ``P`` equal runs, one per program, so every program streams the same number
@@ -95,6 +98,7 @@ from moe_front_jax.pallas.streaming import (
     split_for_cores,
     split_k_workspace,
     table_entries,
+    tile_counters,
     vector_stream,
 )
 
@@ -483,6 +487,7 @@ def _stream_k_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
 
             @pl.when(ticket == last_program - first_program)
             def _():
+                counters_ref[tile] = jnp.int32(0)  # every contributor has its ticket: re-arm
                 def add(other, total):
                     slot = tile - other * share // steps  # the other program's segment here
                     return total + plgpu.load(partials_ref.at[other, slot], mask=batch_ok.T,
@@ -618,21 +623,23 @@ def _call(x, packed, split, valid, block, interpret, config, mailbox=None):
             jax.ShapeDtypeStruct((batch, g.shard // block), jnp.uint8),
         ]
     args, aliases = [x, packed], {}
+    tickets = mailbox.tickets if g.publish else None  # the tile counters kept from call to call
     if config.vector:
         kernel, grid = _vector_kernel, (g.tiles,)
     elif config.programs:
         sk = StreamK(g.tiles, hidden // config.block_k, config.programs)
+        counters = tile_counters(g.tiles, tickets)
         out_shape += [
             jax.ShapeDtypeStruct(
                 (config.programs, sk.segments, config.block_rows, g.batch_tile), jnp.float32
             ),
-            jax.ShapeDtypeStruct((g.tiles,), jnp.int32),
+            jax.ShapeDtypeStruct(counters.shape, jnp.int32),
         ]
-        args.append(jnp.zeros((g.tiles,), jnp.int32))
+        args.append(counters)
         aliases = {2: len(out_shape) - 1}
         kernel, grid = _stream_k_kernel, (config.programs,)
     else:
-        workspace, counters = split_k_workspace(config, g.tiles, 1, g.batch_tile)
+        workspace, counters = split_k_workspace(config, g.tiles, 1, g.batch_tile, tickets)
         if counters:
             out_shape += workspace
             args += counters
@@ -786,5 +793,8 @@ def front_gemm_publish(
         )
     if plan_block is not None:
         config = _resolve(config, valid, shard, x.shape[1], x.shape[0], plan_block)
-    buffer, control, status, *_ = _call(x, packed, split, valid, None, interpret, config, mailbox)
-    return mb.Mailbox(buffer, control, cfg), status.reshape(())
+    buffer, control, status, *workspace = _call(x, packed, split, valid, None, interpret, config,
+                                                mailbox)
+    tickets = workspace[-1] if workspace else mailbox.tickets  # the counters, zeroed again
+    box = dataclasses.replace(mailbox, buffer=buffer, control=control, tickets=tickets)
+    return box, status.reshape(())

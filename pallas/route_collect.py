@@ -63,6 +63,7 @@ Cost per call, for ``W = L / 2 + E`` data words a row (2688 for Kimi-K3, 10.5 KB
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -332,4 +333,4 @@ def route_collect(
         values, scales = planned
         values = lax.bitcast_convert_type(values, jnp.float8_e4m3fn).reshape(batch, cfg.latent)
         out += ((values, lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)),)
-    return (*out, status.reshape(()), mb.Mailbox(buffer, control, cfg))
+    return (*out, status.reshape(()), dataclasses.replace(mailbox, buffer=buffer, control=control))

@@ -179,19 +179,28 @@ def vector_stream(x_ref, w_ref, first_rows, *, batch: int, depth: int, config: G
     return [[jnp.sum(acc, axis=1) for acc in part] for part in accs]
 
 
-def split_k_workspace(config: GemmConfig, tiles: int, parts: int, batch_tile: int):
-    """Output shapes and the zeroed counters input of a split-K call: float32 partial tiles
-    ``[split_k, tiles, parts, block_rows, batch_tile]`` and one int32 counter per tile (the counters
-    are an input aliased to the last output). Empty when ``split_k == 1``."""
+def tile_counters(tiles: int, counters: jax.Array | None = None) -> jax.Array:
+    """The int32 tile counters of a split-K or stream-K call: ``counters`` (kept by the caller,
+    at least ``tiles`` of them, all zero), or a fresh zeroed buffer of ``tiles``."""
+    return jnp.zeros((tiles,), jnp.int32) if counters is None else counters
+
+
+def split_k_workspace(config: GemmConfig, tiles: int, parts: int, batch_tile: int,
+                      counters: jax.Array | None = None):
+    """Output shapes and the counters input of a split-K call: float32 partial tiles
+    ``[split_k, tiles, parts, block_rows, batch_tile]`` and an int32 counter per tile (the counters
+    are an input aliased to the last output): ``counters`` (at least ``tiles`` of them, all zero),
+    or a fresh zeroed buffer. Empty when ``split_k == 1``."""
     if config.split_k == 1:
         return [], []
+    counters = tile_counters(tiles, counters)
     shapes = [
         jax.ShapeDtypeStruct(
             (config.split_k, tiles, parts, config.block_rows, batch_tile), jnp.float32
         ),
-        jax.ShapeDtypeStruct((tiles,), jnp.int32),
+        jax.ShapeDtypeStruct(counters.shape, jnp.int32),
     ]
-    return shapes, [jnp.zeros((tiles,), jnp.int32)]
+    return shapes, [counters]
 
 
 def finish_split_k(
@@ -210,8 +219,9 @@ def finish_split_k(
 
     Each program writes its partial tiles (``accs[j]`` to ``partials_ref[part, tile, j]``), then takes
     a ticket from the tile's counter (an acquire-release atomic after a CTA barrier); the program that
-    draws ticket ``split_k - 1`` sums the ``split_k`` partials of each accumulator in the order
-    ``0 .. split_k - 1`` (so results do not depend on arrival order) and calls ``epilogue(*totals)``.
+    draws ticket ``split_k - 1`` zeroes the counter (so counters kept across calls stay zero between
+    them), sums the ``split_k`` partials of each accumulator in the order ``0 .. split_k - 1`` (so
+    results do not depend on arrival order) and calls ``epilogue(*totals)``.
     ``split_k == 1`` calls ``epilogue(*accs)`` at once. ``mask`` (the accumulators' shape, or None)
     keeps padded batch columns out of memory.
     """
@@ -228,6 +238,7 @@ def finish_split_k(
 
     @pl.when(ticket == split_k - 1)
     def _():
+        counters_ref[tile] = jnp.int32(0)  # every program of the tile has its ticket: re-arm
         totals = []
         for j, acc in enumerate(accs):
             total = jnp.zeros(acc.shape, jnp.float32)

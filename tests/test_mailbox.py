@@ -5,6 +5,7 @@ and from numpy views of the raw words, never from the mailbox code. Canonicaliza
 is applied to the expected values by ``canonical_*`` below, in numpy.
 """
 
+import dataclasses
 import re
 import time
 
@@ -55,10 +56,11 @@ def expected_armed(cfg, generations, capacity):
 
 def assert_armed(box, steps):
     """Armed, after ``steps`` publishes: step t used generation t mod G, so both control words hold
-    the last step's generation, ``G - 1`` for a new mailbox."""
+    the last step's generation, ``G - 1`` for a new mailbox; every tile counter is zero."""
     assert_bits_equal(box.buffer, expected_armed(box.cfg, box.generations, box.capacity))
     last = (steps - 1) % box.generations
     np.testing.assert_array_equal(np.asarray(box.control), [last, last])
+    np.testing.assert_array_equal(np.asarray(box.tickets), np.zeros(mb.ticket_count(box.cfg)))
 
 
 def rows_of(cfg, batch, seed):
@@ -109,11 +111,14 @@ def test_layout_sizes():
         2688,
     )
     assert (mb.data_words(SMALL), mb.row_words(SMALL)) == (43, 44)
+    # A counter per 16-row tile of the 896 router and 3584 latent rows; of 26 and 34 at SMALL.
+    assert (mb.ticket_count(mf.KIMI_K3), mb.ticket_count(SMALL)) == (56 + 224, 2 + 3)
 
 
 def test_create_is_armed():
     box = mf.Mailbox.create(SMALL, capacity=5, generations=2)
     assert box.buffer.shape == (2, 5, 44) and box.buffer.dtype == jnp.uint32
+    assert box.tickets.shape == (5,) and box.tickets.dtype == jnp.int32
     assert (box.generations, box.capacity, box.words) == (2, 5, 44)
     assert_armed(box, 0)
 
@@ -289,7 +294,7 @@ def test_exchange_over_eight_ranks_gathers_every_shard():
     mesh = jax.make_mesh((tp,), ("tp",), devices=jax.devices("cpu")[:tp])
 
     def rank(buffer, control, logits, latent):
-        box = mf.Mailbox(buffer[0], control[0], TP8)
+        box = mf.Mailbox(buffer[0], control[0], one.tickets, TP8)
         got_logits, got_latent, status, box = mb.exchange(
             box, logits[0], latent[0], axis_name="tp", backend="xla"
         )
@@ -304,7 +309,7 @@ def test_exchange_over_eight_ranks_gathers_every_shard():
     for r in range(tp):
         assert_bits_equal(got_logits[r], want_logits)
         assert_bits_equal(got_latent[r], want_latent)
-        assert_armed(mf.Mailbox(buffers[r], controls[r], TP8), 1)
+        assert_armed(mf.Mailbox(buffers[r], controls[r], one.tickets, TP8), 1)
 
 
 def test_generations_rotate():
@@ -346,6 +351,9 @@ def test_bad_mailbox_arguments_are_value_errors(small_params):
         mb.publish(box, logits, latent, 1, backend="xla")
     with pytest.raises(ValueError, match="batch must be a positive int"):
         mb.collect(box, 0, backend="xla")
+    short = dataclasses.replace(box, tickets=box.tickets[:-1])
+    with pytest.raises(ValueError, match=r"mailbox.tickets is \(4,\) int32, expected \(5,\) int32"):
+        mf.moe_front(x, small_params, mailbox=short)
     tp_box = mf.Mailbox.create(TP2, capacity=2)
     with pytest.raises(ValueError, match="pass axis_name"):
         mb.exchange(tp_box, *(jnp.asarray(a[0, :2]) for a in tp2_shards(2)), backend="xla")
@@ -364,8 +372,9 @@ def test_lowered_program_aliases_the_mailbox(small_params):
     lowered = jax.jit(mf.moe_front, donate_argnames="mailbox").lower(x, small_params, mailbox=box)
     hlo = lowered.compile().as_text()
     header = hlo[: hlo.index("\n")]
-    # Outputs 5 and 6 (the returned mailbox) alias parameters 3 and 4 (the mailbox passed in).
-    assert "input_output_alias={ {5}: (3, {}, may-alias), {6}: (4, {}, may-alias) }" in header
+    # Outputs 5-7 (the returned mailbox) alias parameters 3-5 (the mailbox passed in).
+    assert ("input_output_alias={ {5}: (3, {}, may-alias), {6}: (4, {}, may-alias), "
+            "{7}: (5, {}, may-alias) }") in header
     entry = hlo[hlo.index("ENTRY"):]
     assert " copy(" not in entry, "the mailbox buffer is copied instead of updated in place"
 
@@ -488,10 +497,15 @@ def test_gpu_never_published_mailbox_times_out_within_a_second():
 def test_gpu_buffer_stays_in_place(k3_params):
     step = jax.jit(mf.moe_front, donate_argnames="mailbox")
     box = mf.Mailbox.create(mf.KIMI_K3, capacity=256)
-    pointers = (box.buffer.unsafe_buffer_pointer(), box.control.unsafe_buffer_pointer())
+    def pointers(box):
+        return [leaf.unsafe_buffer_pointer() for leaf in (box.buffer, box.control, box.tickets)]
+
+    before = pointers(box)
     for t, batch in enumerate([64, 1, 256]):
         out, box = step(rows_of(mf.KIMI_K3, batch, seed=t), k3_params, mailbox=box)
         assert int(out.status) == 0
-        assert (box.buffer.unsafe_buffer_pointer(), box.control.unsafe_buffer_pointer()) == pointers
+        assert pointers(box) == before
+    assert_armed(box, 3)
     hlo = step.lower(rows_of(mf.KIMI_K3, 64, seed=0), k3_params, mailbox=box).compile().as_text()
-    assert "input_output_alias={ {5}: (3, {}, may-alias), {6}: (4, {}, may-alias) }" in hlo
+    assert ("input_output_alias={ {5}: (3, {}, may-alias), {6}: (4, {}, may-alias), "
+            "{7}: (5, {}, may-alias) }") in hlo

@@ -144,7 +144,7 @@ def test_per_rank_mailboxes_on_gpus_equal_the_all_gather_path(tp):
         check_vma=False,
     )
     def step(x, local, buffer, control):
-        box = mf.Mailbox(buffer[0], control[0], local.cfg)
+        box = mf.Mailbox(buffer[0], control[0], one.tickets, local.cfg)
         got, box = mf.moe_front(x, local, axis_name="tp", mailbox=box)
         want = mf.moe_front(x, local, axis_name="tp")
         fields = ("ids", "weights", "latent", "logits")

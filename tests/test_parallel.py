@@ -397,7 +397,7 @@ def test_mailbox_inside_callers_shard_map_equals_the_all_gather_path(backend):
         check_vma=backend == "xla",
     )
     def step(x, local, buffer, control):
-        box = mf.Mailbox(buffer[0], control[0], local.cfg)
+        box = mf.Mailbox(buffer[0], control[0], one.tickets, local.cfg)
         got, box = mf.moe_front(x, local, axis_name="tp", backend=backend, mailbox=box, plan=True)
         want = mf.moe_front(x, local, axis_name="tp", backend=backend, plan=True)
         def bits(a):

@@ -11,6 +11,7 @@ Expected values are the shards (canonicalized in numpy by ``test_mailbox``'s hel
 publish's words, or the one-GPU result: never the kernel's own output.
 """
 
+import dataclasses
 import functools
 import re
 
@@ -102,9 +103,9 @@ def test_peer_publish_lowers_for_h200s_with_collective_metadata(cfg):
     )
 
     def rank(buffer, control, logits, latent):
-        box = mf.Mailbox(buffer[0], control[0], cfg)
-        box, status = peer_mailbox.publish(box, logits[0], latent[0], axis_name="tp")
-        return box.buffer[None], box.control[None], status[None]
+        local = mf.Mailbox(buffer[0], control[0], box.tickets, cfg)
+        local, status = peer_mailbox.publish(local, logits[0], latent[0], axis_name="tp")
+        return local.buffer[None], local.control[None], status[None]
 
     run = jax.shard_map(rank, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False)
     with jax.sharding.use_abstract_mesh(mesh):
@@ -176,10 +177,10 @@ def peer_store(boxes, rank, logits, latent):
     cfg, own = boxes[rank].cfg, boxes[rank].control
     stored = []
     for box in boxes:
-        borrowed = mf.Mailbox(box.buffer, own, cfg)
-        published = mb.publish(borrowed, logits, latent, rank, backend="xla")
-        stored.append(mf.Mailbox(published.buffer, box.control, cfg))
-    stored[rank] = mf.Mailbox(stored[rank].buffer, published.control, cfg)
+        published = mb.publish(dataclasses.replace(box, control=own), logits, latent, rank,
+                               backend="xla")
+        stored.append(dataclasses.replace(box, buffer=published.buffer))
+    stored[rank] = dataclasses.replace(stored[rank], control=published.control)
     return stored
 
 
@@ -327,7 +328,7 @@ def test_gpus_peer_exchange_matches_one_gpu():
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False)
     def step(buffers, controls, logits, latent):
-        box = mf.Mailbox(buffers[0], controls[0], cfg)
+        box = mf.Mailbox(buffers[0], controls[0], one.tickets, cfg)
         got_logits, got_latent, status, box = mb.exchange(
             box, logits[0], latent[0], axis_name="tp", transport="peer"
         )
@@ -352,5 +353,5 @@ def test_gpus_peer_exchange_matches_one_gpu():
         for r in range(tp):
             assert_bits_equal(np.asarray(got_logits)[r], want_logits)
             assert_bits_equal(np.asarray(got_latent)[r], want_latent)
-            box = mf.Mailbox(np.asarray(buffers)[r], np.asarray(controls)[r], cfg)
+            box = mf.Mailbox(np.asarray(buffers)[r], np.asarray(controls)[r], one.tickets, cfg)
             assert_armed(box, t + 1)
