@@ -41,13 +41,15 @@ def divisors(n: int) -> list[int]:
 
 
 def candidates(row_count: int, k: int, parts: int, bp: int, cores: int = 132) -> list[GemmConfig]:
-    """Schedules worth timing for one kernel: rows per program 16, 32, 64 (``parts`` row blocks
-    each); K steps of 128 and 256; no split where the tiles alone give every SM a program, else the
-    smallest split that does and the smallest that gives two; the deepest pipeline that fits."""
+    """Schedules worth timing for one kernel: rows per program 16, 32, 64, 128 (``parts`` row blocks
+    each); K steps of 128 and 256, and 64 for batch tiles of 64 and more (whose ``x`` tile is as wide
+    as the weight's); no split where the tiles alone give every SM a program, else the smallest split
+    that does, the smallest that gives two, and the one of at most four programs per SM whose last
+    wave is the fullest; the deepest pipeline that fits."""
     out = []
-    for bn in (16, 32, 64):
+    for bn in (16, 32, 64, 128):
         tiles = -(-row_count // bn)
-        for bk in (128, 256):
+        for bk in (64, 128, 256) if bp >= 64 else (128, 256):
             if k % bk:
                 continue
             steps = k // bk
@@ -57,6 +59,10 @@ def candidates(row_count: int, k: int, parts: int, bp: int, cores: int = 132) ->
                 fit = [s for s in splits if tiles * s >= target]
                 if fit and fit[0] not in chosen:
                     chosen.append(fit[0])
+            waves = [s for s in splits if cores <= tiles * s <= 4 * cores]
+            if waves:
+                fullest = max(waves, key=lambda s: tiles * s / (-(-tiles * s // cores) * cores))
+                chosen += [fullest] if fullest not in chosen else []
             chosen = chosen or splits[-1:]
             warps = 4 if parts * bn * bp <= 64 * 64 else 8
             deepest = min(6, SMEM_BUDGET // (2 * bk * (parts * bn + bp)))
