@@ -42,14 +42,14 @@ def divisors(n: int) -> list[int]:
 
 def candidates(row_count: int, k: int, parts: int, bp: int, cores: int = 132) -> list[GemmConfig]:
     """Schedules worth timing for one kernel: rows per program 16, 32, 64, 128 (``parts`` row blocks
-    each); K steps of 128 and 256, and 64 for batch tiles of 64 and more (whose ``x`` tile is as wide
-    as the weight's); no split where the tiles alone give every SM a program, else the smallest split
+    each); K steps of 64, 128 and 256, and 16 and 32 for batch tiles of 64 and more (whose ``x``
+    tile is as wide as the weight's); no split where the tiles alone give every SM a program, else the smallest split
     that does, the smallest that gives two, and the one of at most four programs per SM whose last
     wave is the fullest; the deepest pipeline that fits."""
     out = []
     for bn in (16, 32, 64, 128):
         tiles = -(-row_count // bn)
-        for bk in (64, 128, 256) if bp >= 64 else (128, 256):
+        for bk in (16, 32, 64, 128, 256) if bp >= 64 else (64, 128, 256):
             if k % bk:
                 continue
             steps = k // bk
