@@ -53,19 +53,19 @@ def candidates(shape: Shape, bp: int, cores: int = 132) -> list[fg.FrontGemmConf
     """The schedules worth timing for one shape and padded batch.
 
     Rows per program 32, 64, 128 (and 16 for batch tiles up to 32); for each, the
-    smallest split-K that gives every SM a program and the smallest that gives two; a K step of 64,
-    128 or 256 (32 too at a batch tile of 64, whose x tile is as wide as the weight's; 64 or 128
-    at larger batches), and 512 or 1024 up to a batch tile of 64 (1-2 KB of each weight row per
-    step, fewer DRAM pages open at once); the deepest pipeline that fits the shared memory; 4 warps
-    for small tiles, 8 for large. Up to a batch tile of 64, with K steps of 256 or less, stream-K
-    too (``FrontGemmConfig.programs``) over one, two and three programs per SM.
+    smallest split-K that gives every SM a program and the smallest that gives two; a K step of 128
+    or 256 (64 too for the small shards, for finer splits; 64 or 128 at large batches, whose x tile
+    is wide), and 512 or 1024 up to a batch tile of 64 (1-2 KB of each weight row per step, fewer
+    DRAM pages open at once); the deepest pipeline that fits the shared memory; 4 warps for small
+    tiles, 8 for large. Up to a batch tile of 64, with 128 or 256 K steps, stream-K too
+    (``FrontGemmConfig.programs``) over one, two and three programs per SM.
     """
     out = []
+    few_rows = shape.valid + shape.shard < 2 * cores * 16  # tp >= 2: split K finely
     for bn in ((16, 32, 64, 128) if bp <= 32 else (32, 64, 128)):
         tiles = -(-shape.valid // bn) + -(-shape.shard // bn)
         long_k = (512, 1024) if bn <= 32 else (512,)  # 1-2 KB of each row per step
-        short_k = (32, 64, 128, 256) if bp == 64 else (64, 128, 256)
-        for bk in short_k + long_k if bp <= 64 else (64, 128):
+        for bk in ((64, 128, 256) if few_rows else (128, 256)) + long_k if bp <= 64 else (64, 128):
             steps = shape.hidden // bk
             splits = [s for s in divisors(steps) if s <= 28 and steps // s >= 2]
             chosen = []
@@ -82,7 +82,7 @@ def candidates(shape: Shape, bp: int, cores: int = 132) -> list[fg.FrontGemmConf
                 depth = min(deepest, shape.hidden // (s * bk))
                 if depth >= 2:
                     out.append(fg.FrontGemmConfig(bn, bk, s, warps, depth))
-            if bp <= 64 and bn <= 64 and bk <= 256:
+            if bp <= 64 and bn <= 64 and bk in (128, 256):
                 # Stream-K: every program an equal run of the tiles' K steps (no tail of
                 # programs on some SMs only), one to three per SM.
                 for programs in (cores, 2 * cores, 3 * cores):
