@@ -10,9 +10,6 @@ the script times, with CUPTI (summed kernel time per call), in one process:
 - ``separate`` and ``fused``: the mailbox path composed by hand, XLA's GEMM and the publish kernel,
   then the collect and routing kernels (``separate``) or the routing kernel polling the mailbox
   itself (``fused``, ``pallas/route_collect.py``);
-- ``xla_publish``: as ``separate``, with the plain-JAX publish (``mailbox.publish(...,
-  backend="xla")``, compiled by XLA beside its GEMM) instead of the publish kernel; whether its ids,
-  weights, logits and latent are the direct path's bit for bit (-0 as +0) is recorded too;
 - ``exchange``: the mailbox alone (``bridge.mailbox.exchange``: publish + collect), and its two kernels;
 - ``direct_plan`` and ``mailbox_plan``: both paths with ``plan=True`` (issue 7: the plan adds at most
   1 us to the latent write), the direct path planning with the plan kernel after XLA's GEMM, the
@@ -136,22 +133,18 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
     from moe_front_jax.pallas import front_gemm as fg
     from moe_front_jax.pallas import route as rt
 
-    def composed(publisher: str, fused: bool):
+    def composed(gemm_publishes: bool, fused: bool):
         """One step of the mailbox path composed by hand: the publish by the front GEMM kernel's
-        epilogue (``publisher="gemm"``), or after XLA's GEMM by the publish kernel (``"kernel"``) or
-        by the plain-JAX publish, which XLA compiles (``"xla"``); then ``route_collect`` or the
-        collect and routing kernels."""
+        epilogue or by XLA's GEMM and the publish kernel; then ``route_collect`` or the collect and
+        routing kernels."""
 
         @functools.partial(jax.jit, donate_argnums=2)
         def step(x, p, box):
-            if publisher == "gemm":
+            if gemm_publishes:
                 box, status = fg.front_gemm_publish(x, p.packed, p.split, cfg.experts_per_rank, box)
             else:
                 logits, latent = mf.reference.front_gemm(x, p.packed, p.split, cfg.experts_per_rank)
-                if publisher == "kernel":
-                    box, status = tm.publish(box, logits, latent)
-                else:
-                    box, status = mb.publish(box, logits, latent, backend="xla"), jnp.zeros((), jnp.int32)
+                box, status = tm.publish(box, logits, latent)
             if fused:
                 *out, status, box = rc.route_collect(box, status, p.bias, batch)
                 return out, status, box
@@ -168,29 +161,19 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
     runs = {
         "direct": run_direct,
         "mailbox": run_mailbox,
-        "separate": composed("kernel", False),
-        "fused": composed("kernel", True),
-        "xla_publish": composed("xla", False),
+        "separate": composed(False, False),
+        "fused": composed(False, True),
         "direct_plan": functools.partial(run_direct, plan=True),
         "mailbox_plan": functools.partial(run_mailbox, plan=True),
         "direct_pallas": functools.partial(run_direct, backend="pallas"),
         "mailbox_pallas": functools.partial(run_mailbox, backend="pallas"),
-        "separate_pallas": composed("gemm", False),
-        "fused_pallas": composed("gemm", True),
+        "separate_pallas": composed(True, False),
+        "fused_pallas": composed(True, True),
     }
     rounds = {name: [] for name in runs}
     for _ in range(2):  # interleaved, so that drift of the shared machine hits every path alike
         for name, run in runs.items():
             rounds[name] += kernel_times(run, ITERATIONS)
-    # The plain-JAX publish after XLA's GEMM: is XLA's GEMM still the direct path's, bit for bit?
-    want, got = run_direct(0), runs["xla_publish"](0)
-    xla_publish_bit_equal = all(
-        np.array_equal(np.asarray(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32),
-                       np.asarray(b).view(np.uint16 if b.dtype.itemsize == 2 else np.uint32))
-        for a, b in ((want.ids, got[0]), (want.weights, got[1]), (mb.logits_to_words(want.logits),
-                     mb.logits_to_words(got[2])), (mb.latent_to_words(want.latent),
-                                                   mb.latent_to_words(got[3])))
-    )
     shards = [
         mf.reference.front_gemm(x, p.packed, p.split, cfg.experts_per_rank) for x, p in zip(xs, params)
     ]
@@ -206,9 +189,7 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
         raise RuntimeError(f"B={batch}: mailbox statuses {statuses}, expected only 0")
     row = dict(batch=batch, **{name: summarize(rounds[name]) for name in runs})
     row["exchange"] = exchange
-    row["xla_publish_bit_equal"] = xla_publish_bit_equal
     for path, base in (("mailbox", "direct"), ("separate", "direct"), ("fused", "direct"),
-                       ("xla_publish", "direct"),
                        ("mailbox_pallas", "direct_pallas"), ("separate_pallas", "direct_pallas"),
                        ("fused_pallas", "direct_pallas"), ("mailbox_plan", "direct_plan")):
         row[f"{path}_added_us"] = row[path]["us"] - row[base]["us"]
@@ -442,15 +423,14 @@ def main():
     print("Added = that path minus the direct path on the same backend (us per call). 'separate': "
           "collect + routing kernels; 'fused': route_collect; the publish by XLA's GEMM + the publish "
           "kernel ('auto' columns) or by the front GEMM's epilogue ('pallas' columns).")
-    print("| B | direct | mailbox added | separate added | fused added | XLA publish added (same "
-          "bits) | direct, pallas | mailbox added, pallas | separate added, pallas "
-          "| fused added, pallas | front_gemm | front_gemm_publish | publish | collect | route "
-          "| route_collect | plan adds, direct | plan adds, mailbox |")
-    print("|" + " --- |" * 18)
+    print("| B | direct | mailbox added | separate added | fused added | direct, pallas "
+          "| mailbox added, pallas | separate added, pallas | fused added, pallas | front_gemm "
+          "| front_gemm_publish | publish | collect | route | route_collect | plan adds, direct "
+          "| plan adds, mailbox |")
+    print("|" + " --- |" * 17)
     for row in report["batches"]:
         cells = [f"{row['direct']['us']:.2f}"]
         cells += [f"{row[f'{p}_added_us']:+.2f}" for p in ("mailbox", "separate", "fused")]
-        cells += [f"{row['xla_publish_added_us']:+.2f} ({row['xla_publish_bit_equal']})"]
         cells += [f"{row['direct_pallas']['us']:.2f}"]
         cells += [f"{row[f'{p}_pallas_added_us']:+.2f}" for p in ("mailbox", "separate", "fused")]
         cells += [f"{row[k]:.2f}" for k in ("gemm_pallas_us", "gemm_publish_us", "publish_us",
