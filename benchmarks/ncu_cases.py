@@ -28,9 +28,15 @@ import moe_front_jax as mf
 from moe_front_jax import reference
 from moe_front_jax.pallas import route as rt
 from moe_front_jax.pallas import shared_expert as se
-from shared_expert_timing import Shape, random_copies, rows
+from shared_expert_timing import Shape, rows
 
 CASE = re.compile(r"(?P<kind>xla_shared|shared|route|mailbox_plan|mailbox)(?:_tp(?P<tp>\d+))?_b(?P<b>\d+)")
+
+
+def normal(shape: tuple[int, int], fan_in: int, seed: int) -> jax.Array:
+    """One random bfloat16 weight, normal / sqrt(fan_in)."""
+    w = jax.random.normal(jax.random.key(seed), shape, jnp.float32) / fan_in**0.5
+    return w.astype(jnp.bfloat16)
 
 
 def build(case: str):
@@ -43,8 +49,8 @@ def build(case: str):
     x = rows(batch, mf.KIMI_K3.hidden)
     if kind in ("shared", "xla_shared"):
         s = Shape.k3(tp)
-        gate_up = random_copies((2 * s.shared, s.hidden), s.hidden, 1, seed=tp)[0]
-        down = random_copies((s.hidden, s.shared), s.shared, 1, seed=100 + tp)[0]
+        gate_up = normal((2 * s.shared, s.hidden), s.hidden, seed=tp)
+        down = normal((s.hidden, s.shared), s.shared, seed=100 + tp)
         dtype = jnp.bfloat16 if tp == 1 else jnp.float32
         if kind == "shared":
             config = se.pick_config(s.shared, s.hidden, batch)

@@ -5,7 +5,7 @@
 # One report per case under $OUT (ncu_<case>.txt: speed of light, memory workload, occupancy, launch
 # statistics, warp states, per kernel). XLA's command buffers are off so that every kernel launches
 # on its own; ncu flushes the L2 before each kernel and leaves the clocks alone (--clock-control
-# none: the benchmarks run at the clocks the machine sets).
+# none: the benchmarks run at the clocks the machine sets). Each case gets CASE_TIMEOUT_S (150) seconds.
 set -u
 OUT=${OUT:?set OUT to the folder for results}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
@@ -13,7 +13,7 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 export XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}"
 status=0
 for case in "$@"; do
-  "$NCU" --profile-from-start off --clock-control none --cache-control all \
+  timeout "${CASE_TIMEOUT_S:-150}" "$NCU" --profile-from-start off --clock-control none --cache-control all \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
     --section LaunchStats --section WarpStateStats --section SchedulerStats \
     python3 benchmarks/ncu_cases.py "$case" > "$OUT/ncu_$case.txt" 2>&1 || status=$?

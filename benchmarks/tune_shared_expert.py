@@ -7,6 +7,12 @@ L2, and keeps the fastest of each (the kernels are independent: a call's time is
 
   python benchmarks/tune_shared_expert.py --out $OUT [--table pallas/tuning/h200_shared_expert.json]
   python benchmarks/tune_shared_expert.py --batches 1,2 --merge --table ...   (add keys to a table)
+  python benchmarks/tune_shared_expert.py --schedules stream_k --merge --table ...
+
+``--schedules`` picks the kinds of schedule timed (``grid``: split-K over a grid of tiles,
+``stream_k``: one or two programs per SM, ``vector``); the schedules of the ``--table`` entry a key
+already has are timed beside them, so that a merge keeps them unless a candidate beats them in the
+same run.
 
 Prints one line per (tp, batch) last; the full results go to $OUT/tune_shared_expert.json.
 """
@@ -73,6 +79,26 @@ def candidates(row_count: int, k: int, parts: int, bp: int, cores: int = 132) ->
     return list(dict.fromkeys(out))
 
 
+def stream_k_candidates(row_count: int, k: int, parts: int, bp: int, cores: int = 132
+                        ) -> list[GemmConfig]:
+    """Stream-K schedules worth timing for one kernel: rows per program 32, 64, 128 (``parts`` row
+    blocks each), K steps of 64 and 128, ``cores`` programs with the deepest pipeline that fits one
+    per SM and ``2 * cores`` with the deepest that fits two, where the tiles give every program at
+    least two K steps."""
+    out = []
+    for bn in (32, 64, 128):
+        tiles = -(-row_count // bn)
+        for bk in (64, 128):
+            if k % bk:
+                continue
+            warps = 4 if parts * bn * bp <= 64 * 64 else 8
+            for per_sm in (1, 2):
+                depth = min(6, SMEM_BUDGET // per_sm // (2 * bk * (parts * bn + bp)))
+                if depth >= 2 and tiles * (k // bk) >= 2 * per_sm * cores:
+                    out.append(GemmConfig(bn, bk, 1, warps, depth, per_sm * cores))
+    return out
+
+
 def vector_candidates(row_count: int, k: int, parts: int, batch: int) -> list[GemmConfig]:
     """The vector schedules worth timing for one kernel (``front_gemm_timing.vector_schedules``)."""
     return [GemmConfig(bn, bk, 1, warps, 1, vector=True)
@@ -89,7 +115,14 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8,16,64")
     parser.add_argument("--budget-s", type=float, default=100.0)
     parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--schedules", default="grid,stream_k,vector",
+                        help="comma-separated kinds of schedule to time: grid, stream_k, vector")
     args = parser.parse_args()
+    kinds = set(args.schedules.split(","))
+    if not kinds <= {"grid", "stream_k", "vector"}:
+        raise SystemExit(f"--schedules takes grid, stream_k and vector, got {args.schedules!r}")
+    # The table's entries, timed again beside the candidates (a merge keeps the faster).
+    current = json.load(open(args.table))["entries"] if args.table and os.path.exists(args.table) else {}
     start = time.time()
     device = jax.devices()[0]
     kind = device.device_kind
@@ -112,11 +145,17 @@ def main() -> None:
     for tp, s in shapes.items():
         for bp in batches:
             tile = padded_batch(bp)
-            vector = bp <= VECTOR_MAX_BATCH
-            per_key.append([(tp, bp, "gate_up", c) for c in candidates(s.shared, s.hidden, 2, tile)
-                            + (vector_candidates(s.shared, s.hidden, 2, bp) if vector else [])])
-            per_key.append([(tp, bp, "down", c) for c in candidates(s.hidden, s.shared, 1, tile)
-                            + (vector_candidates(s.hidden, s.shared, 1, bp) if vector else [])])
+            entry = current.get(se.table_key(s.shared, s.hidden, bp))
+            for kernel, row_count, k, parts in (("gate_up", s.shared, s.hidden, 2),
+                                            ("down", s.hidden, s.shared, 1)):
+                configs = [GemmConfig(**entry[kernel])] if entry else []
+                if "grid" in kinds:
+                    configs += candidates(row_count, k, parts, tile)
+                if "stream_k" in kinds:
+                    configs += stream_k_candidates(row_count, k, parts, tile)
+                if "vector" in kinds and bp <= VECTOR_MAX_BATCH:
+                    configs += vector_candidates(row_count, k, parts, bp)
+                per_key.append([(tp, bp, kernel, c) for c in dict.fromkeys(configs)])
     jobs = [lst[i] for i in range(max(map(len, per_key))) for lst in per_key if i < len(lst)]
     print(f"{len(jobs)} variants", flush=True)
 
@@ -202,7 +241,8 @@ def main() -> None:
                 print(f"{tp:>3} {bp:>4} (no working schedule)")
                 continue
             f = lambda c: (f"bn{c['block_rows']} bk{c['block_k']} s{c['split_k']} w{c['num_warps']} "  # noqa: E731
-                           f"st{c['num_stages']}{' vector' if c['vector'] else ''}")
+                           f"st{c['num_stages']}{' vector' if c['vector'] else ''}"
+                           f"{' p%d' % c['programs'] if c.get('programs') else ''}")
             print(f"{tp:>3} {bp:>4} {gu['us']:>10.2f} {tbs(s.gate_up_bytes, gu['us']):>6.2f} "
                   f"{dn['us']:>8.2f} {tbs(s.down_bytes, dn['us']):>6.2f} {gu['us'] + dn['us']:>7.2f}"
                   f"  {f(gu['config'])} | {f(dn['config'])}")

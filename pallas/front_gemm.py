@@ -39,7 +39,8 @@ of weight bytes whatever the tile count, where the grid of ``split_k x tiles`` p
 SMs a program more than others at its end. A run covers parts of one or more tiles; each part's
 float32 partial goes to a workspace slot ``[program, segment]`` and takes a ticket from its tile's
 counter, and the tile's last contributor sums its contributors' partials in program order and runs
-the same epilogue. Partials: ``4 * block_rows * B_tile`` bytes written and read back per segment.
+the same epilogue (``streaming.stream_k``, shared with the shared expert's kernels). Partials:
+``4 * block_rows * B_tile`` bytes written and read back per segment.
 
 Vector (``FrontGemmConfig(vector=True)``, ``B <= 8``): one program per ``block_rows`` rows (any power of
 two, so the grid covers the SMs even at tp8) over all of K, multiply-adds on the CUDA cores into one
@@ -89,6 +90,7 @@ from moe_front_jax.pallas.streaming import (
     MIN_DOT,
     VECTOR_MAX_BATCH,
     GemmConfig,
+    StreamK,
     core_count,
     device_kind,
     finish_split_k,
@@ -97,8 +99,8 @@ from moe_front_jax.pallas.streaming import (
     padded_batch,
     split_for_cores,
     split_k_workspace,
+    stream_k,
     table_entries,
-    tile_counters,
     vector_stream,
 )
 
@@ -108,32 +110,9 @@ TABLE_FILES = {"NVIDIA H200": "h200_front_gemm.json"}
 
 @dataclasses.dataclass(frozen=True)
 class FrontGemmConfig(GemmConfig):
-    """Block shapes and schedule of the front GEMM (``streaming.GemmConfig``); ``block_rows`` is at
-    least the plan block when the plan is written (the kernel widens narrower tiles).
-
-    ``programs``: 0 for the grid of ``split_k x tiles`` programs; ``P > 0`` for stream-K: ``P``
-    programs, each over an equal run of the ``tiles x K steps`` iterations (``split_k`` must be 1).
-
-    ``vector`` (``streaming.GemmConfig``): the matrix-vector schedule, for ``B <= VECTOR_MAX_BATCH``;
-    ``programs`` must then be 0, and it has no plan epilogue.
-    """
-
-    programs: int = 0
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not isinstance(self.programs, int) or self.programs < 0:
-            raise ValueError(f"FrontGemmConfig.programs must be an int >= 0, got {self.programs!r}")
-        if self.programs and self.split_k != 1:
-            raise ValueError(
-                f"stream-K (programs={self.programs}) splits K itself: split_k must be 1, got "
-                f"{self.split_k}"
-            )
-        if self.vector and self.programs:
-            raise ValueError(
-                f"the vector schedule streams all of K per program: programs must be 0, got "
-                f"{self.programs}"
-            )
+    """Block shapes and schedule of the front GEMM (``streaming.GemmConfig``: the grid, stream-K
+    with ``programs``, or the vector schedule); ``block_rows`` is at least the plan block when the
+    plan is written (the kernel widens narrower tiles). The vector schedule has no plan epilogue."""
 
 
 def table_key(valid: int, shard: int, hidden: int, batch: int) -> str:
@@ -435,68 +414,23 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     outs.close((part == 0) & (tile == 0))
 
 
-@dataclasses.dataclass(frozen=True)
-class StreamK:
-    """The stream-K partition of a call: iteration ``i`` is K step ``i % steps`` of tile
-    ``i // steps``; program ``p`` runs iterations ``[p * share, min((p + 1) * share, total))``, which
-    touch at most ``segments`` tiles."""
-
-    tiles: int
-    steps: int
-    programs: int
-
-    @property
-    def share(self) -> int:
-        return -(-self.tiles * self.steps // self.programs)
-
-    @property
-    def segments(self) -> int:
-        return self.share // self.steps + 2
-
-
 def _stream_k_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
-    """One stream-K program: its run of iterations, tile by tile. Each tile segment's float32
-    partial goes to the workspace (slot ``[program, segment]``) and takes a ticket from the tile's
-    counter; the tile's last contributor to arrive sums the contributors' partials in program order
-    (so results do not depend on arrival order) and stores the tile."""
+    """One stream-K program (``streaming.stream_k``): its run of iterations, tile by tile, each
+    tile stored by its last contributor."""
     g, cfg = geometry, geometry.config
     outs, partials_ref, counters_ref = _outputs(g, list(refs))
     sk = StreamK(g.tiles, g.hidden // cfg.block_k, cfg.programs)
-    steps, share = sk.steps, sk.share
-    program = pl.program_id(0)
-    start = program * share
-    end = jnp.minimum(start + share, g.tiles * steps)
     batch_ok = lax.broadcasted_iota(jnp.int32, (g.batch_tile, 1), 0) < g.batch
-    for segment in range(sk.segments):
-        tile = start // steps + segment
-        lo = jnp.maximum(start, tile * steps) - tile * steps
-        hi = jnp.minimum(end, (tile + 1) * steps) - tile * steps
 
-        @pl.when((lo < hi) & (tile < g.tiles))
-        def _():
-            first_row, is_latent, end_row = _tile_rows(g, tile)
-            row_ok = _rows_ok(first_row, end_row, cfg.block_rows)
-            acc = _accumulate(x_ref, w_ref, g, first_row, row_ok, batch_ok, lo, hi,
-                              min(share, steps))
-            plgpu.store(partials_ref.at[program, jnp.int32(segment)], acc, mask=batch_ok.T)
-            if not interpret:  # the partial's stores happen before the ticket's release
-                plgpu.debug_barrier()
-            ticket = plgpu.atomic_add(counters_ref, tile, jnp.int32(1))
-            first_program = tile * steps // share
-            last_program = ((tile + 1) * steps - 1) // share
+    def segment(tile, lo, hi):
+        first_row, is_latent, end_row = _tile_rows(g, tile)
+        row_ok = _rows_ok(first_row, end_row, cfg.block_rows)
+        acc = _accumulate(x_ref, w_ref, g, first_row, row_ok, batch_ok, lo, hi,
+                          min(sk.share, sk.steps))
+        return [acc], lambda y: _store_tile(y, g, first_row, is_latent, row_ok, batch_ok, outs)
 
-            @pl.when(ticket == last_program - first_program)
-            def _():
-                counters_ref[tile] = jnp.int32(0)  # every contributor has its ticket: re-arm
-                def add(other, total):
-                    slot = tile - other * share // steps  # the other program's segment here
-                    return total + plgpu.load(partials_ref.at[other, slot], mask=batch_ok.T,
-                                              other=0.0)
-
-                zeros = jnp.zeros(acc.shape, jnp.float32)
-                y = lax.fori_loop(first_program, last_program + 1, add, zeros)
-                _store_tile(y, g, first_row, is_latent, row_ok, batch_ok, outs)
-    outs.close(program == 0)
+    stream_k(sk, partials_ref, counters_ref, segment, mask=batch_ok.T, interpret=interpret)
+    outs.close(pl.program_id(0) == 0)
 
 
 def _vector_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
@@ -628,14 +562,9 @@ def _call(x, packed, split, valid, block, interpret, config, mailbox=None):
         kernel, grid = _vector_kernel, (g.tiles,)
     elif config.programs:
         sk = StreamK(g.tiles, hidden // config.block_k, config.programs)
-        counters = tile_counters(g.tiles, tickets)
-        out_shape += [
-            jax.ShapeDtypeStruct(
-                (config.programs, sk.segments, config.block_rows, g.batch_tile), jnp.float32
-            ),
-            jax.ShapeDtypeStruct(counters.shape, jnp.int32),
-        ]
-        args.append(counters)
+        workspace, counters = sk.workspace(1, config.block_rows, g.batch_tile, tickets)
+        out_shape += workspace
+        args += counters
         aliases = {2: len(out_shape) - 1}
         kernel, grid = _stream_k_kernel, (config.programs,)
     else:

@@ -27,6 +27,13 @@ rows. At tp1 the tiles alone fill the GPU (6144 / 32 = 192 tiles); at tp8 a rank
 tp8): its row tiles alone give 224 programs of 32 rows, so it rarely needs a split. Two launches per
 call (plus, when a kernel splits K, XLA's zeroing of its int32 counters), as XLA's own fusion needs.
 
+Stream-K (``GemmConfig(programs=P)``, ``streaming.stream_k``): the ``tiles x K steps`` iterations
+cut into ``P`` equal runs, one per program, each tile finished by its last contributor, as the
+front GEMM's. At tp1 B=64 the table's grid (96 gate/up tiles of 64 + 64 rows, K split in two) gave
+192 programs of 196 KiB of pipeline buffers each, one per SM: 1.45 waves, the last 45% full, and
+the weight read at 3.1 TB/s (Nsight Compute, benchmarks/RESULTS.md, tenth session); ``P`` programs,
+one per SM, end together.
+
 Vector schedule (``GemmConfig(vector=True)``, ``B <= 8``; ``streaming.vector_stream``): either kernel
 as one program per ``block_rows`` rows (1 to 16; gate/up: as many gate and up rows) over all of K,
 multiply-adds on the CUDA cores, no split, no counters; the same epilogues. At tp8 a gate/up program
@@ -45,6 +52,7 @@ Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the two kernels' split_k, their pa
          + 2 * 2 * B * S_r            hidden written, then read by every down tile from L2
          + B * H * size(out_dtype)    shared written
          + 8 * B * 2 * S_r * s1 + 8 * B * H * s2   partial tiles written and read back
+                                      (stream-K: 8 * B_tile * block_rows * parts per tile segment)
   FLOPs  = 2 * B * 3 * S_r * H        (+ about 20 FLOPs and 3 transcendentals per hidden element)
 so the arithmetic intensity is about B FLOP/byte: memory-bound for decode batches; the floor on an
 H200 is the weight bytes over the HBM read bandwidth (56.8 us at tp1, 7.1 us at tp8 at 4.65 TB/s).
@@ -76,6 +84,7 @@ from moe_front_jax.pallas.streaming import (
     MIN_DOT,
     VECTOR_MAX_BATCH,
     GemmConfig,
+    StreamK,
     core_count,
     device_kind,
     finish_split_k,
@@ -84,6 +93,7 @@ from moe_front_jax.pallas.streaming import (
     padded_batch,
     split_for_cores,
     split_k_workspace,
+    stream_k,
     table_entries,
     vector_stream,
 )
@@ -208,14 +218,13 @@ class Geometry:
         return self.depth // self.config.split_k
 
 
-def _stream(x_ref, w_ref, first_rows, g: Geometry, rows_mask, batch_mask):
+def _stream(x_ref, w_ref, first_rows, g: Geometry, rows_mask, batch_mask, step_lo, steps):
     """The K loop of one program: ``[block_rows, batch_tile]`` float32 products of the weight rows
-    starting at each of ``first_rows`` with ``x``, over this program's chunk of K."""
+    starting at each of ``first_rows`` with ``x``, over ``steps`` K steps from step ``step_lo``."""
     bn, bp, bk = g.config.block_rows, g.batch_tile, g.config.block_k
-    k_first = pl.program_id(0) * g.k_chunk
 
     def step(i, accs):
-        k = pl.multiple_of(k_first + i * bk, bk)
+        k = pl.multiple_of((step_lo + i) * bk, bk)
         xs = masked_load(x_ref.at[pl.ds(0, bp), pl.ds(k, bk)], batch_mask)
         out = []
         for acc, first in zip(accs, first_rows):
@@ -227,43 +236,75 @@ def _stream(x_ref, w_ref, first_rows, g: Geometry, rows_mask, batch_mask):
         return tuple(out)
 
     zeros = tuple(jnp.zeros((bn, bp), jnp.float32) for _ in first_rows)
-    return lax.fori_loop(0, g.k_chunk // bk, step, zeros)
+    return lax.fori_loop(0, steps, step, zeros)
+
+
+def _tile(g: Geometry, situ, tile):
+    """Tile ``tile``'s first row, its ``[block_rows, 1]`` rows in range, the first rows of its row
+    blocks (gate/up: the gate rows and the up rows ``g.rows`` below), and the loads' masks: only
+    where a tile can run past the rows or the batch past B (an unmasked load is plain 16-byte
+    vectors with no predicate)."""
+    bn, bp = g.config.block_rows, g.batch_tile
+    first_row = tile * bn
+    row_ok = (first_row + lax.broadcasted_iota(jnp.int32, (bn, 1), 0)) < g.rows
+    batch_ok = lax.broadcasted_iota(jnp.int32, (bp, 1), 0) < g.batch
+    rows_mask = row_ok if g.rows % bn else None
+    batch_mask = batch_ok if g.batch < bp else None
+    first_rows = (first_row, first_row + g.rows) if situ else (first_row,)
+    return first_row, row_ok, batch_ok, first_rows, rows_mask, batch_mask
+
+
+def _store_tile(out_ref, ys, g: Geometry, first_row, row_ok, batch_ok, situ, out_dtype):
+    """The finished tile (``ys``: each ``[block_rows, batch_tile]`` float32): situ of its gate and
+    up rounded to bfloat16 (gate/up kernel), or the product in ``out_dtype`` (down kernel)."""
+    bn, bp = g.config.block_rows, g.batch_tile
+    out_ok = row_ok.T & batch_ok  # [batch_tile, block_rows]
+    if situ:
+        gate, up = (y.T.astype(jnp.bfloat16) for y in ys)
+        out = reference.situ(gate, up, *situ)
+    else:
+        out = ys[0].T.astype(out_dtype)
+    plgpu.store(out_ref.at[pl.ds(0, bp), pl.ds(first_row, bn)], out, mask=out_ok)
 
 
 def _kernel(x_ref, w_ref, *refs, geometry: Geometry, situ, out_dtype, interpret: bool):
-    """One program of either GEMM: ``situ`` = (beta, linear_beta) makes it the gate/up kernel (two
-    row blocks, ``geometry.rows`` apart, and the situ epilogue), None the down kernel."""
+    """One program of either GEMM on the grid: ``situ`` = (beta, linear_beta) makes it the gate/up
+    kernel (two row blocks, ``geometry.rows`` apart, and the situ epilogue), None the down kernel."""
     g, cfg = geometry, geometry.config
     split_k = cfg.split_k
     if split_k > 1:
         refs = refs[1:]  # the counters' input ref; its aliased output ref comes last
     out_ref, *refs = refs
     partials_ref, counters_ref = refs if split_k > 1 else (None, None)
-    bn, bp = cfg.block_rows, g.batch_tile
     tile = pl.program_id(1)
-    first_row = tile * bn
-    row_ok = (first_row + lax.broadcasted_iota(jnp.int32, (bn, 1), 0)) < g.rows
-    batch_ok = lax.broadcasted_iota(jnp.int32, (bp, 1), 0) < g.batch
-    # Masks only where a tile can run past the rows or the batch past B: an unmasked load is plain
-    # 16-byte vectors with no predicate.
-    rows_mask = row_ok if g.rows % bn else None
-    batch_mask = batch_ok if g.batch < bp else None
-    first_rows = (first_row, first_row + g.rows) if situ else (first_row,)
-    accs = _stream(x_ref, w_ref, first_rows, g, rows_mask, batch_mask)
-
-    def epilogue(*ys):  # each [block_rows, batch_tile] float32, the finished tile
-        out_ok = row_ok.T & batch_ok  # [batch_tile, block_rows]
-        if situ:
-            gate, up = (y.T.astype(jnp.bfloat16) for y in ys)
-            out = reference.situ(gate, up, *situ)
-        else:
-            out = ys[0].T.astype(out_dtype)
-        plgpu.store(out_ref.at[pl.ds(0, bp), pl.ds(first_row, bn)], out, mask=out_ok)
-
+    first_row, row_ok, batch_ok, first_rows, rows_mask, batch_mask = _tile(g, situ, tile)
+    steps = g.k_chunk // cfg.block_k
+    accs = _stream(x_ref, w_ref, first_rows, g, rows_mask, batch_mask, pl.program_id(0) * steps,
+                   steps)
     finish_split_k(
         accs, partials_ref, counters_ref, split_k=split_k, part=pl.program_id(0), tile=tile,
-        mask=None if batch_mask is None else batch_mask.T, interpret=interpret, epilogue=epilogue,
+        mask=None if batch_mask is None else batch_mask.T, interpret=interpret,
+        epilogue=lambda *ys: _store_tile(out_ref, ys, g, first_row, row_ok, batch_ok, situ,
+                                         out_dtype),
     )
+
+
+def _stream_k_kernel(x_ref, w_ref, counters_in_ref, out_ref, partials_ref, counters_ref, *,
+                     geometry: Geometry, situ, out_dtype, interpret: bool):
+    """One stream-K program of either GEMM (``streaming.stream_k``), as ``_kernel``'s tiles."""
+    del counters_in_ref  # aliased to counters_ref
+    g = geometry
+    sk = StreamK(g.tiles, g.depth // g.config.block_k, g.config.programs)
+
+    def segment(tile, lo, hi):
+        first_row, row_ok, batch_ok, first_rows, rows_mask, batch_mask = _tile(g, situ, tile)
+        accs = _stream(x_ref, w_ref, first_rows, g, rows_mask, batch_mask, lo, hi - lo)
+        return accs, lambda *ys: _store_tile(out_ref, ys, g, first_row, row_ok, batch_ok, situ,
+                                             out_dtype)
+
+    batch_ok = lax.broadcasted_iota(jnp.int32, (1, g.batch_tile), 1) < g.batch
+    stream_k(sk, partials_ref, counters_ref, segment,
+             mask=batch_ok if g.batch < g.batch_tile else None, interpret=interpret)
 
 
 def _vector_kernel(x_ref, w_ref, out_ref, *, geometry: Geometry, situ, out_dtype, interpret: bool):
@@ -308,14 +349,20 @@ def _gemm(x, w, rows, out_dtype, config, situ, interpret, name):
             name=name,
         )(x, w)
     parts = 2 if situ else 1
-    workspace, counters = split_k_workspace(config, g.tiles, parts, g.batch_tile)
+    if config.programs:
+        sk = StreamK(g.tiles, depth // config.block_k, config.programs)
+        workspace, counters = sk.workspace(parts, config.block_rows, g.batch_tile)
+        kernel, grid = _stream_k_kernel, (config.programs,)
+    else:
+        workspace, counters = split_k_workspace(config, g.tiles, parts, g.batch_tile)
+        kernel, grid = _kernel, (config.split_k, g.tiles)
     out_shape = [jax.ShapeDtypeStruct((batch, rows), out_dtype)] + workspace
     out = pl.pallas_call(
         functools.partial(
-            _kernel, geometry=g, situ=situ, out_dtype=out_dtype, interpret=interpret
+            kernel, geometry=g, situ=situ, out_dtype=out_dtype, interpret=interpret
         ),
         out_shape=out_shape,
-        grid=(config.split_k, g.tiles),
+        grid=grid,
         input_output_aliases={2: len(out_shape) - 1} if counters else {},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(

@@ -5,8 +5,10 @@ weight that is read once, so each program streams one slab of the weight, ``bloc
 ``K / split_k`` chunk of K, in ``block_k`` steps that Triton's software pipeliner keeps ``num_stages``
 deep, and, when K is split, the programs of one tile of rows hand their float32 partial tiles to the
 last of them to arrive, which sums them in a fixed order and runs the kernel's epilogue
-(``finish_split_k``). This module holds that handshake, the schedule's dataclass, the batch padding,
-the device lookup and the tuning-table reader; the kernels own their loops and epilogues.
+(``finish_split_k``). Stream-K (``GemmConfig.programs``) cuts the ``tiles x K steps`` iterations into
+equal runs, one per program, with the same handshake per tile (``stream_k``). This module holds those
+handshakes, the schedule's dataclass, the batch padding, the device lookup and the tuning-table
+reader; the kernels own their loops and epilogues.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from importlib import resources
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -38,6 +41,9 @@ class GemmConfig:
       split_k: programs sharing one tile of rows, each over ``K / split_k`` of K; ``K`` must be a
         multiple of ``split_k * block_k``.
       num_warps, num_stages: Triton's warps per program and software-pipeline depth.
+      programs: 0 for the grid of ``split_k x tiles`` programs; ``P > 0`` for stream-K: ``P``
+        programs, each over an equal run of the ``tiles x K steps`` iterations (``StreamK``;
+        ``split_k`` must be 1).
       vector: (keyword only) the matrix-vector schedule for batches up to ``VECTOR_MAX_BATCH``: one
         program per ``block_rows`` rows (any power of two) over all of K, multiply-adds on the CUDA
         cores instead of a tensor-core dot (``vector_stream``), so no split (``split_k`` 1), no
@@ -49,6 +55,7 @@ class GemmConfig:
     split_k: int
     num_warps: int
     num_stages: int
+    programs: int = 0
     vector: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self):
@@ -67,6 +74,18 @@ class GemmConfig:
             raise ValueError(
                 f"the vector schedule streams all of K per program: {name}.split_k must be 1, got "
                 f"{self.split_k}"
+            )
+        if not isinstance(self.programs, int) or self.programs < 0:
+            raise ValueError(f"{name}.programs must be an int >= 0, got {self.programs!r}")
+        if self.programs and self.split_k != 1:
+            raise ValueError(
+                f"stream-K (programs={self.programs}) splits K itself: {name}.split_k must be 1, "
+                f"got {self.split_k}"
+            )
+        if self.vector and self.programs:
+            raise ValueError(
+                f"the vector schedule streams all of K per program: {name}.programs must be 0, got "
+                f"{self.programs}"
             )
 
     def least_block_rows(self) -> int:
@@ -252,3 +271,94 @@ def finish_split_k(
                 )
             totals.append(total)
         epilogue(*totals)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamK:
+    """The stream-K partition of a call: iteration ``i`` is K step ``i % steps`` of tile
+    ``i // steps``; program ``p`` runs iterations ``[p * share, min((p + 1) * share, total))``, which
+    touch at most ``segments`` tiles."""
+
+    tiles: int
+    steps: int
+    programs: int
+
+    @property
+    def share(self) -> int:
+        return -(-self.tiles * self.steps // self.programs)
+
+    @property
+    def segments(self) -> int:
+        return self.share // self.steps + 2
+
+    def workspace(self, parts: int, block_rows: int, batch_tile: int,
+                  counters: jax.Array | None = None):
+        """Output shapes and the counters input of a stream-K call: float32 partial tiles
+        ``[programs, segments, parts, block_rows, batch_tile]`` (slot ``[program, segment]``) and an
+        int32 counter per tile (an input aliased to the last output): ``counters`` (at least
+        ``tiles``, all zero), or a fresh zeroed buffer."""
+        counters = tile_counters(self.tiles, counters)
+        shapes = [
+            jax.ShapeDtypeStruct(
+                (self.programs, self.segments, parts, block_rows, batch_tile), jnp.float32
+            ),
+            jax.ShapeDtypeStruct(counters.shape, jnp.int32),
+        ]
+        return shapes, [counters]
+
+
+def stream_k(
+    sk: StreamK,
+    partials_ref,
+    counters_ref,
+    segment: Callable,
+    *,
+    mask,
+    interpret: bool,
+) -> None:
+    """One stream-K program: its run of iterations, tile by tile.
+
+    ``segment(tile, lo, hi)`` streams K steps ``[lo, hi)`` of ``tile`` and returns ``(accs,
+    epilogue)``: the float32 accumulators and what to call with the tile's finished totals. Each
+    segment's accumulators go to the workspace (slot ``[program, segment]``, one per accumulator)
+    and the segment takes a ticket from the tile's counter (after a CTA barrier, as
+    ``finish_split_k``); the tile's last contributor to arrive zeroes the counter, sums the
+    contributors' partials in program order (so results do not depend on arrival order) and calls
+    ``epilogue(*totals)``. ``mask`` (the accumulators' shape, or None) keeps padded batch columns
+    out of memory.
+    """
+    steps, share = sk.steps, sk.share
+    program = pl.program_id(0)
+    start = program * share
+    end = jnp.minimum(start + share, sk.tiles * steps)
+    other = None if mask is None else 0.0
+    for slot in range(sk.segments):
+        tile = start // steps + slot
+        lo = jnp.maximum(start, tile * steps) - tile * steps
+        hi = jnp.minimum(end, (tile + 1) * steps) - tile * steps
+
+        @pl.when((lo < hi) & (tile < sk.tiles))
+        def _():
+            accs, epilogue = segment(tile, lo, hi)
+            for j, acc in enumerate(accs):
+                plgpu.store(partials_ref.at[program, jnp.int32(slot), jnp.int32(j)], acc, mask=mask)
+            if not interpret:  # the partials' stores happen before the ticket's release
+                plgpu.debug_barrier()
+            ticket = plgpu.atomic_add(counters_ref, tile, jnp.int32(1))
+            first_program = tile * steps // share
+            last_program = ((tile + 1) * steps - 1) // share
+
+            @pl.when(ticket == last_program - first_program)
+            def _():
+                counters_ref[tile] = jnp.int32(0)  # every contributor has its ticket: re-arm
+
+                def add(contributor, totals):
+                    at = tile - contributor * share // steps  # the contributor's slot of this tile
+                    return tuple(
+                        total + plgpu.load(partials_ref.at[contributor, at, jnp.int32(j)],
+                                           mask=mask, other=other)
+                        for j, total in enumerate(totals)
+                    )
+
+                zeros = tuple(jnp.zeros(acc.shape, jnp.float32) for acc in accs)
+                epilogue(*lax.fori_loop(first_program, last_program + 1, add, zeros))

@@ -42,12 +42,16 @@ def gate_up_interpret(x, gate_up, *, config):
 
 # (batch, S_r, config): split-K and single-pass, B below / at / above 16, S_r a multiple of the tile
 # (K3 at tp8: 768) and not (an S_r of 80 against 32-row tiles: the last tile runs past both blocks);
-# the vector schedule at B = 1 and at its largest batch, 8, with a ragged last tile.
+# the vector schedule at B = 1 and at its largest batch, 8, with a ragged last tile; stream-K with
+# runs shorter than a tile (7 programs over 3 ragged tiles of 8 steps) and longer (5 programs over
+# 24 tiles of 2 steps: runs over several tiles).
 GATE_UP_CASES = [
     (1, 768, G(32, 64, 2, 4, 3)),
     (16, 768, G(64, 128, 1, 4, 2)),
     (37, 80, G(32, 64, 4, 4, 2)),
     (3, 80, G(16, 32, 1, 4, 2)),
+    (37, 80, G(32, 32, 1, 4, 2, programs=7)),
+    (16, 768, G(32, 128, 1, 4, 2, programs=5)),
     (1, 768, G(16, 64, 1, 4, 1, vector=True)),
     (8, 80, G(32, 128, 1, 2, 1, vector=True)),
 ]
@@ -72,6 +76,8 @@ def test_interpret_gate_up_situ_matches_reference_exactly(batch, s_r, config):
 @pytest.mark.parametrize("batch, rows, depth, config", [
     (5, 256, 768, G(32, 64, 3, 4, 2)),
     (20, 80, 96, G(32, 32, 1, 4, 2)),
+    (5, 256, 768, G(32, 64, 1, 4, 2, programs=13)),
+    (20, 80, 96, G(16, 32, 1, 4, 2, programs=4)),
     (5, 256, 768, G(8, 256, 1, 4, 1, vector=True)),
     (2, 80, 96, G(32, 32, 1, 4, 1, vector=True)),
 ])
@@ -102,10 +108,12 @@ def assert_close_to_float64(got, want, tol):
     (1, 3, se.SharedExpertConfig(G(128, 128, 1, 4, 2), G(64, 256, 2, 4, 2)), jnp.bfloat16),
     (8, 2, se.SharedExpertConfig(G(8, 128, 1, 4, 1, vector=True), G(16, 32, 1, 4, 1, vector=True)),
      jnp.float32),
+    (1, 64, se.SharedExpertConfig(G(64, 64, 1, 8, 2, programs=132), G(64, 64, 1, 4, 2, programs=132)),
+     jnp.bfloat16),
 ])
 def test_interpret_shared_expert_matches_reference_and_float64(tp, batch, config, out_dtype):
     """Both kernels split K at tp8 (the float32 partial moe_front reduces); bfloat16 out at tp1; both
-    on the vector schedule at tp8."""
+    on the vector schedule at tp8; both on stream-K over 132 programs at tp1 (tp1 B=64's shape)."""
     cfg = dataclasses.replace(K3, hidden=SMALL_HIDDEN, tp=tp)
     weights = mf.init_weights(jax.random.key(tp), cfg)
     _, gate_up, down = rank_slices(weights, cfg, tp - 1, cfg.experts_per_rank)
@@ -190,6 +198,38 @@ def test_vector_schedule_lowers_for_h200_as_two_kernels(tp):
         assert text.count("__gpu$xla.gpu.triton") == 2, (tp, batch)
         for op in ("stablehlo.broadcast_in_dim", "stablehlo.convert", "stablehlo.dot_general"):
             assert op not in text, (tp, batch, op)
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_stream_k_lowers_for_h200_as_two_kernels(tp):
+    """Stream-K: two Triton kernels, one program per SM each, beside the zeroed counters; no XLA
+    dot, cast or slice."""
+    cfg = K3.with_tp(tp)
+    s_r = cfg.shared_per_rank
+    gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
+    down = jnp.zeros((K3.hidden, s_r), jnp.bfloat16)
+    config = se.SharedExpertConfig(G(64, 128, 1, 8, 4, programs=132), G(64, 64, 1, 4, 6, programs=132))
+    for batch in (16, 64):
+        x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
+        fn = functools.partial(se.shared_expert, cfg=cfg, out_dtype=jnp.bfloat16, config=config)
+        text = lower_for_h200(fn, x, gate_up, down)
+        assert text.count("__gpu$xla.gpu.triton") == 2, (tp, batch)
+        assert text.count("grid_x = 132") == 2, (tp, batch)
+        for op in ("stablehlo.convert", "stablehlo.slice", "stablehlo.dot_general"):
+            assert op not in text, (tp, batch, op)
+
+
+def test_stream_k_config_errors():
+    with pytest.raises(ValueError, match="GemmConfig.split_k must be 1, got 2"):
+        G(32, 64, 2, 4, 3, programs=132)
+    with pytest.raises(ValueError, match="GemmConfig.programs must be an int >= 0, got -1"):
+        G(32, 64, 1, 4, 3, programs=-1)
+    with pytest.raises(ValueError, match="programs must be 0, got 132"):
+        G(4, 64, 1, 4, 1, programs=132, vector=True)
+    entry = {"gate_up": dataclasses.asdict(G(64, 128, 1, 8, 4, programs=132)),
+             "down": dataclasses.asdict(G(64, 64, 2, 4, 6))}
+    config = se.SharedExpertConfig.from_json(entry)
+    assert (config.gate_up.programs, config.down.programs) == (132, 0)
 
 
 @pytest.mark.parametrize("hidden", [7168, 256])
