@@ -10,9 +10,9 @@ L2, and keeps the fastest of each (the kernels are independent: a call's time is
   python benchmarks/tune_shared_expert.py --schedules stream_k --merge --table ...
 
 ``--schedules`` picks the kinds of schedule timed (``grid``: split-K over a grid of tiles,
-``stream_k``: one or two programs per SM, ``vector``); the schedules of the ``--table`` entry a key
-already has are timed beside them, so that a merge keeps them unless a candidate beats them in the
-same run.
+``stream_k``: one or two programs per SM, ``vector``); the schedules a key runs now (its ``--table``
+entry, or the heuristic's where it has none) are timed beside them, so that a merge keeps them
+unless a candidate beats them in the same run.
 
 Prints one line per (tp, batch) last; the full results go to $OUT/tune_shared_expert.json.
 """
@@ -121,7 +121,7 @@ def main() -> None:
     kinds = set(args.schedules.split(","))
     if not kinds <= {"grid", "stream_k", "vector"}:
         raise SystemExit(f"--schedules takes grid, stream_k and vector, got {args.schedules!r}")
-    # The table's entries, timed again beside the candidates (a merge keeps the faster).
+    # The table's entries (or the heuristic's schedules), timed again beside the candidates.
     current = json.load(open(args.table))["entries"] if args.table and os.path.exists(args.table) else {}
     start = time.time()
     device = jax.devices()[0]
@@ -146,9 +146,11 @@ def main() -> None:
         for bp in batches:
             tile = padded_batch(bp)
             entry = current.get(se.table_key(s.shared, s.hidden, bp))
+            now = (se.SharedExpertConfig.from_json(entry) if entry
+                   else se.heuristic_config(s.shared, s.hidden, bp, cores=132))
             for kernel, row_count, k, parts in (("gate_up", s.shared, s.hidden, 2),
-                                            ("down", s.hidden, s.shared, 1)):
-                configs = [GemmConfig(**entry[kernel])] if entry else []
+                                                ("down", s.hidden, s.shared, 1)):
+                configs = [getattr(now, kernel)]
                 if "grid" in kinds:
                     configs += candidates(row_count, k, parts, tile)
                 if "stream_k" in kinds:
@@ -226,6 +228,8 @@ def main() -> None:
                  command=earlier + "python benchmarks/tune_shared_expert.py --table "
                          "pallas/tuning/h200_shared_expert.json"
                          + (f" --merge --tps {args.tps} --batches {args.batches}" if args.merge
+                            else "")
+                         + (f" --schedules {args.schedules}" if kinds != {"grid", "stream_k", "vector"}
                             else ""),
                  entries=entries)
     for path in filter(None, [args.table, os.path.join(args.out, "h200_shared_expert.json")]):
