@@ -25,7 +25,8 @@ rows. At tp1 the tiles alone fill the GPU (6144 / 32 = 192 tiles); at tp8 a rank
 768 up rows, 48 tiles of 16, too few for 132 SMs, so K (7168) is split, e.g. 4 ways: 192 programs of
 32 rows x 1792. The down GEMM has ``N = H = 7168`` rows and ``K = S_r`` (6144 at tp1, only 768 at
 tp8): its row tiles alone give 224 programs of 32 rows, so it rarely needs a split. Two launches per
-call (plus, when a kernel splits K, XLA's zeroing of its int32 counters), as XLA's own fusion needs.
+call (plus, when a kernel splits K or runs stream-K, XLA's zeroing of its int32 counters), as XLA's
+own fusion needs.
 
 Stream-K (``GemmConfig(programs=P)``, ``streaming.stream_k``): the ``tiles x K steps`` iterations
 cut into ``P`` equal runs, one per program, each tile finished by its last contributor, as the
