@@ -3,7 +3,8 @@
 For each tp shape of K3 and batch rounded up to a power of two it compiles a pruned set of schedules
 for each of the two kernels (gate/up with situ; down; up to B = 8 the vector schedules too), checks
 each against XLA on the same data, times the correct ones with CUPTI over weights rotated past the
-L2, and keeps the fastest of each (the kernels are independent: a call's time is the sum).
+L2, and keeps the fastest of each (the kernels are independent: a call's time is the sum). Each
+kernel's XLA counterpart (the check's reference) is timed in the same run.
 
   python benchmarks/tune_shared_expert.py --out $OUT [--table pallas/tuning/h200_shared_expert.json]
   python benchmarks/tune_shared_expert.py --batches 1,2 --merge --table ...   (add keys to a table)
@@ -27,6 +28,7 @@ import os
 import sys
 import time
 import traceback
+from math import nan
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +42,14 @@ from shared_expert_timing import Shape, down_copies, gate_up_copies, rows
 
 SMEM_BUDGET = 200 * 1024
 """Pipeline buffers per program stay under this (an H200 SM has 227 KiB of shared memory)."""
+
+
+XLA = {
+    "gate_up": lambda x, w: reference.situ(
+        *(y.astype(jnp.bfloat16) for y in jnp.split(xla_dot(x, w), 2, axis=1)), 4.0, 25.0),
+    "down": xla_dot,
+}
+"""Each kernel's XLA counterpart: the check's reference, and timed beside the candidates."""
 
 
 def divisors(n: int) -> list[int]:
@@ -136,10 +146,8 @@ def main() -> None:
         for bp in batches:
             x, h = rows(bp, s.hidden), rows(bp, s.shared, seed=3)
             data[tp, bp, "gate_up"], data[tp, bp, "down"] = x, h
-            gu = weights[tp, "gate_up"][0]
-            g, u = (y.astype(jnp.bfloat16) for y in jnp.split(xla_dot(x, gu), 2, axis=1))
-            refs[tp, bp, "gate_up"] = reference.situ(g, u, 4.0, 25.0)
-            refs[tp, bp, "down"] = xla_dot(h, weights[tp, "down"][0])
+            for kernel in ("gate_up", "down"):
+                refs[tp, bp, kernel] = XLA[kernel](data[tp, bp, kernel], weights[tp, kernel][0])
 
     per_key = []
     for tp, s in shapes.items():
@@ -150,7 +158,7 @@ def main() -> None:
                    else se.heuristic_config(s.shared, s.hidden, bp, cores=132))
             for kernel, row_count, k, parts in (("gate_up", s.shared, s.hidden, 2),
                                                 ("down", s.hidden, s.shared, 1)):
-                configs = [getattr(now, kernel)]
+                configs = [None, getattr(now, kernel)]  # None: XLA's, timed as the reference
                 if "grid" in kinds:
                     configs += candidates(row_count, k, parts, tile)
                 if "stream_k" in kinds:
@@ -163,7 +171,9 @@ def main() -> None:
 
     def compile_one(job):
         tp, bp, kernel, c = job
-        if kernel == "gate_up":
+        if c is None:
+            fn = XLA[kernel]
+        elif kernel == "gate_up":
             fn = lambda x, w: se.gate_up_situ(x, w, 4.0, 25.0, config=c)  # noqa: E731
         else:
             fn = lambda h, w: se.down_proj(h, w, jnp.float32, config=c)  # noqa: E731
@@ -182,7 +192,8 @@ def main() -> None:
         futures = [(job, pool.submit(compile_one, job)) for job in jobs]
         for job, future in futures:
             tp, bp, kernel, c = job
-            row = dict(tp=tp, batch=bp, kernel=kernel, config=dataclasses.asdict(c))
+            row = dict(tp=tp, batch=bp, kernel=kernel,
+                       config=None if c is None else dataclasses.asdict(c))
             if time.time() > deadline:
                 future.cancel()
                 row["error"] = "skipped: time budget"
@@ -203,10 +214,12 @@ def main() -> None:
             results.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
 
-    best = {}
+    best, xla = {}, {}
     for row in results:
         key = (row["tp"], row["batch"], row["kernel"])
-        if "us" in row and (key not in best or row["us"] < best[key]["us"]):
+        if row["config"] is None:
+            xla[key] = row.get("us", nan)
+        elif "us" in row and (key not in best or row["us"] < best[key]["us"]):
             best[key] = row
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune_shared_expert.json"), "w") as f:
@@ -237,7 +250,8 @@ def main() -> None:
             json.dump(table, f, indent=1)
             f.write("\n")
     print(f"\n{'tp':>3} {'B':>4} {'gate_up us':>10} {'TB/s':>6} {'down us':>8} {'TB/s':>6} "
-          f"{'sum':>7}  gate_up config | down config")
+          f"{'sum':>7} {'xla sum':>7}  gate_up config | down config   (xla: each kernel's XLA "
+          f"reference, same run)")
     for tp, s in shapes.items():
         for bp in batches:
             gu, dn = best.get((tp, bp, "gate_up")), best.get((tp, bp, "down"))
@@ -249,6 +263,7 @@ def main() -> None:
                            f"{' p%d' % c['programs'] if c.get('programs') else ''}")
             print(f"{tp:>3} {bp:>4} {gu['us']:>10.2f} {tbs(s.gate_up_bytes, gu['us']):>6.2f} "
                   f"{dn['us']:>8.2f} {tbs(s.down_bytes, dn['us']):>6.2f} {gu['us'] + dn['us']:>7.2f}"
+                  f" {xla.get((tp, bp, 'gate_up'), nan) + xla.get((tp, bp, 'down'), nan):>7.2f}"
                   f"  {f(gu['config'])} | {f(dn['config'])}")
     failed = sum("error" in r for r in results)
     print(f"{len(results)} variants, {failed} failed or skipped, {time.time() - start:.0f} s")
