@@ -59,17 +59,16 @@ Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the two kernels' split_k, their pa
 so the arithmetic intensity is about B FLOP/byte: memory-bound for decode batches; the floor on an
 H200 is the weight bytes over the HBM read bandwidth (56.8 us at tp1, 7.1 us at tp8 at 4.65 TB/s).
 
-Measured on the H200 (2026-12-04, eleventh session, tuned table, CUPTI, weights rotated;
-benchmarks/RESULTS.md): tp1 B=1/8/16/64 66.8/68.2/68.8/82.2 us (3.95/3.87/3.84/3.21 TB/s) against
-XLA's 70.4/69.8/70.8/84.4; tp8 B=1/8/16/64 12.4/16.7/16.2/21.4 us against 14.5/14.8/16.7/19.6. The
-table runs the vector schedule for both kernels at tp1 B=1 (gate/up 43.3 us, 4.07 TB/s; down 22.9
-us, where its tensor-core grid took 23.4 in the same run) and for the gate/up at tp8 B=1-4 (7.3 us
-at B=1, against 11.1 for the best split schedule), stream-K for the gate/up at tp1 B=64; the down at
-tp8 stays on the tensor cores (4.9 us over 11 MB, where XLA's plain row sum of the same weight takes
-4.3 us: ``benchmarks/read_by_size.py``). ``"auto"`` runs these kernels where they measured faster
-(``auto_prefers_kernel``): at tp8 B <= 2. Both GEMMs in one launch (a ticket per program's work,
-the down programs waiting for ``hidden``) was slower at every shape measured, in the fifth session
-and again in the eleventh (RESULTS.md): the two kernels stay.
+Measured on the H200 (2026-12-04, eleventh session's run 11, tuned table, CUPTI, weights rotated;
+benchmarks/RESULTS.md): tp1 B=1/8/16/64 68.0/69.1/69.4/83.8 us (3.89/3.83/3.81/3.15 TB/s) against
+XLA's 72.1/69.5/73.4/81.4; tp8 B=1/8/16/64 12.4/16.6/16.3/21.7 us against 14.5/14.9/16.8/19.9. The
+table runs the vector gate/up at tp1 B=1 and tp8 B=1-4 (run 9 at tp8 B=1: 7.36 us, XLA's gate/up
+9.90) and the stream-K gate/up at tp1 B=64; the down GEMM stays on the tensor cores (run 9 at tp8
+B=1: 4.90 us over 11 MB, XLA's 4.48; at tp1 B=1 the vector down is level with it, within the runs'
+noise). ``"auto"`` runs these kernels where they measured faster (``auto_prefers_kernel``): at tp8
+B <= 2. Both GEMMs in one launch (a ticket per program's work, the down programs waiting for
+``hidden``) was slower at every shape measured, in the fifth session and again in the eleventh
+(RESULTS.md): the two kernels stay.
 """
 
 from __future__ import annotations
