@@ -212,13 +212,16 @@ def split_k_workspace(config: GemmConfig, tiles: int, parts: int, batch_tile: in
     or a fresh zeroed buffer. Empty when ``split_k == 1``."""
     if config.split_k == 1:
         return [], []
+    return _workspace((config.split_k, tiles, parts, config.block_rows, batch_tile), tiles,
+                      counters)
+
+
+def _workspace(partials: tuple[int, ...], tiles: int, counters: jax.Array | None):
+    """Float32 partial tiles of shape ``partials`` and the int32 tile counters, as output shapes,
+    and the counters as the input aliased to the last output (``tile_counters``)."""
     counters = tile_counters(tiles, counters)
-    shapes = [
-        jax.ShapeDtypeStruct(
-            (config.split_k, tiles, parts, config.block_rows, batch_tile), jnp.float32
-        ),
-        jax.ShapeDtypeStruct(counters.shape, jnp.int32),
-    ]
+    shapes = [jax.ShapeDtypeStruct(partials, jnp.float32),
+              jax.ShapeDtypeStruct(counters.shape, jnp.int32)]
     return shapes, [counters]
 
 
@@ -297,14 +300,8 @@ class StreamK:
         ``[programs, segments, parts, block_rows, batch_tile]`` (slot ``[program, segment]``) and an
         int32 counter per tile (an input aliased to the last output): ``counters`` (at least
         ``tiles``, all zero), or a fresh zeroed buffer."""
-        counters = tile_counters(self.tiles, counters)
-        shapes = [
-            jax.ShapeDtypeStruct(
-                (self.programs, self.segments, parts, block_rows, batch_tile), jnp.float32
-            ),
-            jax.ShapeDtypeStruct(counters.shape, jnp.int32),
-        ]
-        return shapes, [counters]
+        return _workspace((self.programs, self.segments, parts, block_rows, batch_tile),
+                          self.tiles, counters)
 
 
 def stream_k(
