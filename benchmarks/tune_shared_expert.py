@@ -11,7 +11,8 @@ kernel's XLA counterpart (the check's reference) is timed in the same run.
   python benchmarks/tune_shared_expert.py --schedules stream_k --merge --table ...
 
 ``--schedules`` picks the kinds of schedule timed (``grid``: split-K over a grid of tiles,
-``stream_k``: one or two programs per SM, ``vector``); the schedules a key runs now (its ``--table``
+``stream_k``: one or two programs per SM, ``vector``, ``tma``: Mosaic GPU's TMA ring into wgmma,
+where the rows divide into 64-row CTAs and B <= 64); the schedules a key runs now (its ``--table``
 entry, or the heuristic's where it has none) are timed beside them, so that a merge keeps them
 unless a candidate beats them in the same run.
 
@@ -36,7 +37,14 @@ import numpy as np
 
 from moe_front_jax import reference
 from moe_front_jax.pallas import shared_expert as se
-from moe_front_jax.pallas.streaming import VECTOR_MAX_BATCH, GemmConfig, padded_batch
+from moe_front_jax.pallas.streaming import (
+    TMA_MAX_BATCH,
+    TMA_ROWS,
+    TMA_WARPS,
+    VECTOR_MAX_BATCH,
+    GemmConfig,
+    padded_batch,
+)
 from front_gemm_timing import cupti_us_per_call, tbs, vector_schedules, xla_dot
 from shared_expert_timing import Shape, down_copies, gate_up_copies, rows
 
@@ -44,12 +52,21 @@ SMEM_BUDGET = 200 * 1024
 """Pipeline buffers per program stay under this (an H200 SM has 227 KiB of shared memory)."""
 
 
+KINDS = ("grid", "stream_k", "vector", "tma")
+
+
+def out_dtype(tp: int):
+    """The down kernel's output as ``moe_front`` asks for it: bfloat16 at tp1, the float32 partial
+    sum under tp."""
+    return jnp.bfloat16 if tp == 1 else jnp.float32
+
+
 XLA = {
-    "gate_up": lambda x, w: reference.situ(
+    "gate_up": lambda tp: lambda x, w: reference.situ(
         *(y.astype(jnp.bfloat16) for y in jnp.split(xla_dot(x, w), 2, axis=1)), 4.0, 25.0),
-    "down": xla_dot,
+    "down": lambda tp: lambda h, w: xla_dot(h, w).astype(out_dtype(tp)),
 }
-"""Each kernel's XLA counterpart: the check's reference, and timed beside the candidates."""
+"""Each kernel's XLA counterpart at a tp: the check's reference, and timed beside the candidates."""
 
 
 def divisors(n: int) -> list[int]:
@@ -109,6 +126,22 @@ def stream_k_candidates(row_count: int, k: int, parts: int, bp: int, cores: int 
     return out
 
 
+def tma_candidates(row_count: int, k: int, parts: int, batch: int) -> list[GemmConfig]:
+    """The TMA schedules worth timing for one kernel, where its rows split into 64-row CTAs and the
+    batch is at most 64: stages of 64, 128 and 256 columns, rings 2 to 8 deep that fit the shared
+    memory budget (``parts`` weight blocks and the ``x`` block per stage)."""
+    if row_count % TMA_ROWS or batch > TMA_MAX_BATCH:
+        return []
+    bp = -(-batch // 8) * 8
+    out = []
+    for bk in (64, 128, 256):
+        stage = 2 * bk * (parts * TMA_ROWS + bp)
+        deepest = min(SMEM_BUDGET // stage, k // bk)
+        for depth in sorted({d for d in (2, 3, 4, 6, 8, deepest) if 2 <= d <= deepest}):
+            out.append(GemmConfig(TMA_ROWS, bk, 1, TMA_WARPS, depth, tma=True))
+    return out
+
+
 def vector_candidates(row_count: int, k: int, parts: int, batch: int) -> list[GemmConfig]:
     """The vector schedules worth timing for one kernel (``front_gemm_timing.vector_schedules``)."""
     return [GemmConfig(bn, bk, 1, warps, 1, vector=True)
@@ -125,12 +158,12 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8,16,64")
     parser.add_argument("--budget-s", type=float, default=100.0)
     parser.add_argument("--workers", type=int, default=16)
-    parser.add_argument("--schedules", default="grid,stream_k,vector",
-                        help="comma-separated kinds of schedule to time: grid, stream_k, vector")
+    parser.add_argument("--schedules", default=",".join(KINDS),
+                        help="comma-separated kinds of schedule to time: " + ", ".join(KINDS))
     args = parser.parse_args()
     kinds = set(args.schedules.split(","))
-    if not kinds <= {"grid", "stream_k", "vector"}:
-        raise SystemExit(f"--schedules takes grid, stream_k and vector, got {args.schedules!r}")
+    if not kinds <= set(KINDS):
+        raise SystemExit(f"--schedules takes {', '.join(KINDS)}, got {args.schedules!r}")
     # The table's entries (or the heuristic's schedules), timed again beside the candidates.
     current = json.load(open(args.table))["entries"] if args.table and os.path.exists(args.table) else {}
     start = time.time()
@@ -147,7 +180,7 @@ def main() -> None:
             x, h = rows(bp, s.hidden), rows(bp, s.shared, seed=3)
             data[tp, bp, "gate_up"], data[tp, bp, "down"] = x, h
             for kernel in ("gate_up", "down"):
-                refs[tp, bp, kernel] = XLA[kernel](data[tp, bp, kernel], weights[tp, kernel][0])
+                refs[tp, bp, kernel] = XLA[kernel](tp)(data[tp, bp, kernel], weights[tp, kernel][0])
 
     per_key = []
     for tp, s in shapes.items():
@@ -165,6 +198,8 @@ def main() -> None:
                     configs += stream_k_candidates(row_count, k, parts, tile)
                 if "vector" in kinds and bp <= VECTOR_MAX_BATCH:
                     configs += vector_candidates(row_count, k, parts, bp)
+                if "tma" in kinds and (kernel == "gate_up" or tp == 1):  # TMA down: bf16 out
+                    configs += tma_candidates(row_count, k, parts, bp)
                 per_key.append([(tp, bp, kernel, c) for c in dict.fromkeys(configs)])
     jobs = [lst[i] for i in range(max(map(len, per_key))) for lst in per_key if i < len(lst)]
     print(f"{len(jobs)} variants", flush=True)
@@ -172,18 +207,19 @@ def main() -> None:
     def compile_one(job):
         tp, bp, kernel, c = job
         if c is None:
-            fn = XLA[kernel]
+            fn = XLA[kernel](tp)
         elif kernel == "gate_up":
             fn = lambda x, w: se.gate_up_situ(x, w, 4.0, 25.0, config=c)  # noqa: E731
         else:
-            fn = lambda h, w: se.down_proj(h, w, jnp.float32, config=c)  # noqa: E731
+            fn = lambda h, w: se.down_proj(h, w, out_dtype(tp), config=c)  # noqa: E731
         return jax.jit(fn).lower(data[tp, bp, kernel], weights[tp, kernel][0]).compile()
 
     def check(kernel, got, want):
+        bf16 = got.dtype == jnp.bfloat16
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         scale = np.abs(want).max(axis=1, keepdims=True) + 1e-30
         err = (np.abs(got - want) / scale).max()
-        limit = 2.0**-6 if kernel == "gate_up" else 1e-5  # bf16 roundings may flip; float32 sums
+        limit = 2.0**-6 if bf16 else 1e-5  # bf16 roundings may flip; float32 sums
         return None if err <= limit else f"mismatch {err:.2e} of the row's max"
 
     results = []
@@ -242,8 +278,7 @@ def main() -> None:
                          "pallas/tuning/h200_shared_expert.json"
                          + (f" --merge --tps {args.tps} --batches {args.batches}" if args.merge
                             else "")
-                         + (f" --schedules {args.schedules}" if kinds != {"grid", "stream_k", "vector"}
-                            else ""),
+                         + (f" --schedules {args.schedules}" if kinds != set(KINDS) else ""),
                  entries=entries)
     for path in filter(None, [args.table, os.path.join(args.out, "h200_shared_expert.json")]):
         with open(path, "w") as f:
@@ -260,6 +295,7 @@ def main() -> None:
                 continue
             f = lambda c: (f"bn{c['block_rows']} bk{c['block_k']} s{c['split_k']} w{c['num_warps']} "  # noqa: E731
                            f"st{c['num_stages']}{' vector' if c['vector'] else ''}"
+                           f"{' tma' if c.get('tma') else ''}"
                            f"{' p%d' % c['programs'] if c.get('programs') else ''}")
             print(f"{tp:>3} {bp:>4} {gu['us']:>10.2f} {tbs(s.gate_up_bytes, gu['us']):>6.2f} "
                   f"{dn['us']:>8.2f} {tbs(s.down_bytes, dn['us']):>6.2f} {gu['us'] + dn['us']:>7.2f}"

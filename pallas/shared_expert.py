@@ -84,6 +84,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_front_jax import reference
 from moe_front_jax.config import FrontConfig
+from moe_front_jax.pallas import shared_expert_tma
 from moe_front_jax.pallas.streaming import (
     MAX_BATCH,
     MIN_DOT,
@@ -177,16 +178,21 @@ def heuristic_config(shared_per_rank: int, hidden: int, batch: int, cores: int) 
     )
 
 
-def pick_config(shared_per_rank: int, hidden: int, batch: int) -> SharedExpertConfig:
-    """The table's entry for this shape on the target device, else ``heuristic_config``."""
+def pick_config(shared_per_rank: int, hidden: int, batch: int,
+                out_dtype: jnp.dtype = jnp.bfloat16) -> SharedExpertConfig:
+    """The table's entry for this shape on the target device, else ``heuristic_config``. A TMA down
+    schedule writes bfloat16 only: for a float32 ``out_dtype`` the heuristic's down replaces it."""
     table = load_table(device_kind())
+    heuristic = functools.partial(heuristic_config, shared_per_rank, hidden, batch, core_count())
     # The batch's own power of two (vector schedules are tuned per small batch), then the
     # tensor-core batch tile it pads to.
     for size in (batch, padded_batch(batch)):
         found = table.get(table_key(shared_per_rank, hidden, size))
         if found is not None:
+            if found.down.tma and jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16):
+                return dataclasses.replace(found, down=heuristic().down)
             return found
-    return heuristic_config(shared_per_rank, hidden, batch, core_count())
+    return heuristic()
 
 
 def auto_prefers_kernel(x, gate_up, down, cfg, out_dtype=jnp.bfloat16) -> bool:
@@ -335,6 +341,15 @@ def _vector_kernel(x_ref, w_ref, out_ref, *, geometry: Geometry, situ, out_dtype
 
 def _gemm(x, w, rows, out_dtype, config, situ, interpret, name):
     batch, depth = x.shape
+    if config.tma:
+        if situ:
+            return shared_expert_tma.gate_up_situ(x, w, *situ, config=config, interpret=interpret)
+        if out_dtype != jnp.bfloat16:
+            raise NotImplementedError(
+                f"the TMA schedule's down kernel writes bfloat16 (tp1's output), not {out_dtype}; "
+                "use another schedule for float32 partial sums"
+            )
+        return shared_expert_tma.down_proj(x, w, config=config, interpret=interpret)
     config.check_divides(depth, "K")
     g = Geometry(batch, depth, rows, config)
     if config.vector:
@@ -478,9 +493,14 @@ def shared_expert(
     """
     _check(x, gate_up, down, cfg, out_dtype)
     s_r, hidden = down.shape[1], x.shape[1]
-    config = config or pick_config(s_r, hidden, x.shape[0])
+    config = config or pick_config(s_r, hidden, x.shape[0], out_dtype)
     if not isinstance(config, SharedExpertConfig):
         raise ValueError(f"config must be a SharedExpertConfig or None, got {type(config).__name__}")
+    if config.gate_up.tma and config.down.tma and jnp.dtype(out_dtype) == jnp.bfloat16:
+        return shared_expert_tma.shared_expert(
+            x, gate_up, down, cfg.situ_beta, cfg.linear_beta, gate_up_config=config.gate_up,
+            down_config=config.down, interpret=interpret,
+        )
     h = gate_up_situ(
         x, gate_up, cfg.situ_beta, cfg.linear_beta, interpret=interpret, config=config.gate_up
     )

@@ -48,6 +48,10 @@ class GemmConfig:
         program per ``block_rows`` rows (any power of two) over all of K, multiply-adds on the CUDA
         cores instead of a tensor-core dot (``vector_stream``), so no split (``split_k`` 1), no
         counters and no partials.
+      tma: (keyword only) the Mosaic GPU schedule of ``shared_expert_tma`` (the shared expert's
+        kernels at ``B <= 64``): one warpgroup per 64 weight rows over all of K, the weight streamed
+        through a ring of ``num_stages`` TMA stages of ``block_k`` columns into wgmma; so
+        ``block_rows`` 64, ``num_warps`` 4, ``split_k`` 1, no programs.
     """
 
     block_rows: int
@@ -57,11 +61,13 @@ class GemmConfig:
     num_stages: int
     programs: int = 0
     vector: bool = dataclasses.field(default=False, kw_only=True)
+    tma: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self):
         name = type(self).__name__
-        if not isinstance(self.vector, bool):
-            raise ValueError(f"{name}.vector must be a bool, got {self.vector!r}")
+        for flag in ("vector", "tma"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{name}.{flag} must be a bool, got {getattr(self, flag)!r}")
         for field, least in (("block_rows", self.least_block_rows()), ("block_k", MIN_DOT)):
             value = getattr(self, field)
             if not isinstance(value, int) or value < least or value & (value - 1):
@@ -87,6 +93,13 @@ class GemmConfig:
                 f"the vector schedule streams all of K per program: {name}.programs must be 0, got "
                 f"{self.programs}"
             )
+        tma = (self.block_rows, self.split_k, self.num_warps, self.programs, self.vector)
+        if self.tma and (tma != (TMA_ROWS, 1, TMA_WARPS, 0, False) or self.num_stages < 2):
+            raise ValueError(
+                f"the TMA schedule is one warpgroup per {TMA_ROWS} rows over all of K with a ring "
+                f"of >= 2 stages: {name}(block_rows={TMA_ROWS}, block_k, split_k=1, "
+                f"num_warps={TMA_WARPS}, num_stages>=2, programs=0, tma=True), got {self}"
+            )
 
     def least_block_rows(self) -> int:
         """The fewest rows a program may own: a tensor-core dot's M, or one row (vector)."""
@@ -100,6 +113,14 @@ class GemmConfig:
                 f"{self.split_k * self.block_k}, got {what}={k}"
             )
 
+
+TMA_ROWS = 64
+"""Weight rows per CTA of the TMA schedule: one warpgroup's wgmma M."""
+TMA_WARPS = 4
+"""The TMA schedule's CTA: one warpgroup."""
+TMA_MAX_BATCH = 64
+"""Largest batch of the TMA schedule: its gate/up accumulators take ``2 * 64 * Bp / 128`` float32
+registers a thread (``Bp`` the batch rounded up to 8)."""
 
 VECTOR_MAX_BATCH = 8
 """Largest batch of the vector schedule: it keeps one ``[block_rows, block_k]`` float32 accumulator

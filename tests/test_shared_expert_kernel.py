@@ -330,3 +330,17 @@ def test_gpu_vector_schedule_matches_float64(tp):
             x, gate_up, down)
         assert got.dtype == jnp.float32 and got.shape == (batch, K3.hidden)
         assert_close_to_float64(got, want, 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_tma_schedule_matches_float64():
+    """The TMA schedule (tp1, bfloat16 out) at batches below, between and at its multiples of 8 and
+    its largest, to the same bound."""
+    _, gate_up, down = rank_slices(k3_weights(), K3, 0, K3.experts_per_rank)
+    config = se.SharedExpertConfig(G(64, 128, 1, 4, 4, tma=True), G(64, 128, 1, 4, 6, tma=True))
+    for batch in (1, 7, 16, 37, 64):
+        x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
+        want = oracle.shared_expert(x, gate_up, down)
+        got = jax.jit(lambda x, g, d: se.shared_expert(x, g, d, K3, config=config))(x, gate_up, down)
+        assert got.dtype == jnp.bfloat16 and got.shape == (batch, K3.hidden)
+        assert_close_to_float64(got, want, 1e-2)

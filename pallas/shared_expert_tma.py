@@ -1,0 +1,193 @@
+"""The shared expert's two GEMMs on Hopper's bulk tensor copies and warpgroup MMAs (Mosaic GPU).
+
+The TMA schedule of ``shared_expert`` (``GemmConfig(64, block_k, 1, 4, depth, tma=True)``, B <= 64):
+
+    kernel 1  hidden[B, S_r] = situ(bf16(x @ gate.T), bf16(x @ up.T))      one CTA per 64 gate rows
+    kernel 2  shared[B, H]   = bf16(hidden @ down.T)                        one CTA per 64 H rows
+
+Each CTA is one warpgroup that streams its weight rows over ALL of K through ``emit_pipeline``'s ring
+of ``depth`` TMA stages of ``block_k`` columns: the copy engine keeps up to ``depth`` stages of the
+weight in flight per SM with no thread issuing loads, which is what a weight read at the HBM rate
+needs (``streaming``'s Triton schedules hold their bytes in flight in registers). The weight tile is
+wgmma's M operand (64 rows) and the batch, padded to ``Bp`` (a multiple of 8), its N: the float32
+accumulator is the transposed output tile ``[64, Bp]``, one warpgroup's registers. Batch rows past B
+are TMA out-of-bounds reads (zero filled, no memory traffic) and are clipped from the stores.
+
+No split of K and so no partial sums, counters or second pass: at tp1 the gate/up GEMM is
+``S_r / 64 = 96`` CTAs (each 64 gate and the matching 64 up rows, two accumulators) and the down GEMM
+``H / 64 = 112`` CTAs, one wave each on 132 SMs. A weight read bound by HBM needs bytes in flight,
+not SMs: ``depth`` stages of ``2 * 64 * block_k`` bytes (gate/up: twice that) per CTA. The layout
+needs ``S_r`` and ``H`` multiples of 64, so it serves tp1 (tp8's 768 gate rows would be 12 CTAs).
+
+The epilogues run on the accumulator's registers: gate/up rounds gate and up to bfloat16 and applies
+``reference.situ`` (the same float32 formula); down rounds to bfloat16. Each result tile is written
+through a transposed shared-memory view into ``[Bp, 64]`` and TMA-stored at columns ``64 * tile`` of
+the ``[B, .]`` output (rows past B clipped). Mosaic GPU in jax 0.11.2 stores a bfloat16 tile through
+a transposed view, not a float32 one, so the down kernel writes bfloat16 only (tp1's output; the
+float32 partial sums of tp > 1 stay on ``streaming``'s schedules).
+
+Cost per call (bf16 = 2 bytes):
+  bytes = 2 * 2 * S_r * H + 2 * H * S_r    the two weights, each read once (264.2 MB at tp1): the bound
+        + 2 * Bp * H * S_r / 64             x re-read from L2 by every gate/up CTA (not HBM)
+        + 2 * Bp * S_r * H / 64             hidden re-read from L2 by every down CTA (not HBM)
+        + 2 * B * S_r + 2 * B * H           hidden and shared written
+  FLOPs = 2 * Bp * 3 * S_r * H              on the tensor cores (Bp >= 8: 8x B's at B=1, free here)
+so a call is bound by the weight read: 56.8 us at tp1 at the H200's 4.65 TB/s.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from moe_front_jax import reference
+from moe_front_jax.pallas.streaming import TMA_MAX_BATCH, TMA_ROWS as ROWS, GemmConfig
+
+
+def padded_batch(batch: int) -> int:
+    """wgmma's N: the batch rounded up to a multiple of 8."""
+    return -(-batch // 8) * 8
+
+
+def _transforms(block_k: int) -> tuple:
+    """Shared-memory tiling and swizzle of a ``[rows, block_k]`` bfloat16 stage, as wgmma reads it."""
+    swizzle = plgpu.find_swizzle(block_k * 16)  # bits of one row of the stage
+    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
+
+
+def _stream(x_gmem, w_gmem, first_tiles, block_k: int, depth: int, bp: int):
+    """The float32 accumulators ``[64, bp]`` of the weight's 64-row tiles ``first_tiles`` against
+    ``x`` over all of K: ``depth`` TMA stages of ``block_k`` columns in flight."""
+    steps = x_gmem.shape[1] // block_k
+    transforms = _transforms(block_k)
+    parts = len(first_tiles)
+
+    def scope(*accs):
+        def body(_, *smem):
+            *w_smem, x_smem = smem
+            for acc, w in zip(accs, w_smem):
+                plgpu.wgmma(acc, w, x_smem.T)
+            plgpu.wgmma_wait(parts)  # the previous step's stage may now be refilled
+
+        w_specs = [
+            plgpu.BlockSpec((ROWS, block_k), lambda k, t=t: (t, k), transforms=transforms,
+                            delay_release=1)
+            for t in first_tiles
+        ]
+        x_spec = plgpu.BlockSpec((bp, block_k), lambda k: (0, k), transforms=transforms,
+                                 delay_release=1)
+        plgpu.emit_pipeline(
+            body, grid=(steps,), in_specs=[*w_specs, x_spec], max_concurrent_steps=depth
+        )(*[w_gmem] * parts, x_gmem)
+        return tuple(acc[...] for acc in accs)
+
+    return pl.run_scoped(scope, *[plgpu.ACC((ROWS, bp), jnp.float32)] * parts)
+
+
+def _store_transposed(tile_t, out_gmem, column):
+    """A ``[64, bp]`` bfloat16 tile, transposed through shared memory, TMA-stored into
+    ``out_gmem[:, column : column + 64]`` (rows past the output's clipped)."""
+    bp = tile_t.shape[1]
+
+    def scope(smem):
+        smem.T[...] = tile_t
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, out_gmem.at[pl.ds(0, bp), pl.ds(column, ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scope, plgpu.SMEM((bp, ROWS), jnp.bfloat16))
+
+
+def _check(x, w, rows: int, config: GemmConfig, name: str) -> None:
+    if not config.tma:
+        raise ValueError(f"{name}: {config} is not a TMA schedule (tma=True)")
+    batch, depth_k = x.shape
+    if batch > TMA_MAX_BATCH:
+        raise NotImplementedError(
+            f"the TMA schedule covers B <= {TMA_MAX_BATCH}, got B={batch}; use another schedule"
+        )
+    if rows % ROWS:
+        raise NotImplementedError(
+            f"the TMA schedule of {name} needs its rows a multiple of {ROWS}, got {rows}; use "
+            "another schedule"
+        )
+    config.check_divides(depth_k, "K")
+
+
+def _tma_rows(x: jax.Array) -> jax.Array:
+    """``x`` as the TMA copies it: a tiled copy moves up to 8 rows or a multiple of 8, so another
+    batch (9 <= B <= 63, not a multiple of 8) is padded with zero rows to its multiple of 8, and the
+    kernels' outputs keep those rows until the caller's slice: two small XLA ops for such batches."""
+    batch = x.shape[0]
+    if batch <= 8 or batch % 8 == 0:
+        return x
+    return jnp.pad(x, ((0, padded_batch(batch) - batch), (0, 0)))
+
+
+def _interpret_params(interpret: bool):
+    """Mosaic GPU's interpret mode (a simulated GPU on the CPU) where ``interpret``, else None."""
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool):
+    """Kernel 1 on ``_tma_rows(x)``: its rows of ``hidden``."""
+    s_r = gate_up.shape[0] // 2
+    batch, bp, tiles = x.shape[0], padded_batch(x.shape[0]), s_r // ROWS
+
+    def kernel(x_gmem, w_gmem, out_gmem):
+        tile = lax.axis_index("tile")
+        gate, up = _stream(x_gmem, w_gmem, (tile, tile + tiles), config.block_k,
+                           config.num_stages, bp)
+        hidden = reference.situ(gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16), beta,
+                                linear_beta)
+        _store_transposed(hidden, out_gmem, tile * ROWS)
+
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((batch, s_r), jnp.bfloat16), grid=(tiles,),
+        grid_names=("tile",), interpret=_interpret_params(interpret),
+        kernel_name="shared_gate_up_situ_tma",
+    )(x, gate_up)
+
+
+def _down(hidden, down, config: GemmConfig, interpret: bool):
+    """Kernel 2 on ``_tma_rows(hidden)``: its rows of the product."""
+    batch, rows, bp = hidden.shape[0], down.shape[0], padded_batch(hidden.shape[0])
+
+    def kernel(h_gmem, w_gmem, out_gmem):
+        tile = lax.axis_index("tile")
+        (acc,) = _stream(h_gmem, w_gmem, (tile,), config.block_k, config.num_stages, bp)
+        _store_transposed(acc.astype(jnp.bfloat16), out_gmem, tile * ROWS)
+
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((batch, rows), jnp.bfloat16), grid=(rows // ROWS,),
+        grid_names=("tile",), interpret=_interpret_params(interpret), kernel_name="shared_down_tma",
+    )(hidden, down)
+
+
+def gate_up_situ(x, gate_up, beta: float, linear_beta: float, *, config: GemmConfig,
+                 interpret: bool = False):
+    """Kernel 1: ``situ(bf16(x @ gate.T), bf16(x @ up.T))`` ``[B, S_r]`` bfloat16 from ``x``
+    ``[B, H]`` and ``gate_up`` ``[2 S_r, H]`` (gate rows, then up rows), both bfloat16."""
+    _check(x, gate_up, gate_up.shape[0] // 2, config, "gate_up")
+    hidden = _gate_up(_tma_rows(x), gate_up, beta, linear_beta, config, interpret)
+    return hidden[: x.shape[0]]
+
+
+def down_proj(hidden, down, *, config: GemmConfig, interpret: bool = False):
+    """Kernel 2: ``bf16(hidden @ down.T)`` ``[B, H]`` from ``hidden`` ``[B, S_r]`` and ``down``
+    ``[H, S_r]``, both bfloat16, float32 accumulation."""
+    _check(hidden, down, down.shape[0], config, "down")
+    return _down(_tma_rows(hidden), down, config, interpret)[: hidden.shape[0]]
+
+
+def shared_expert(x, gate_up, down, beta: float, linear_beta: float, *, gate_up_config: GemmConfig,
+                  down_config: GemmConfig, interpret: bool = False):
+    """Both kernels: ``down_proj(gate_up_situ(x, ...), ...)`` ``[B, H]`` bfloat16, with ``hidden``
+    passed between them in the rows the TMA copies (one pad and one slice at most, not two)."""
+    _check(x, gate_up, gate_up.shape[0] // 2, gate_up_config, "gate_up")
+    hidden = _gate_up(_tma_rows(x), gate_up, beta, linear_beta, gate_up_config, interpret)
+    _check(hidden, down, down.shape[0], down_config, "down")
+    return _down(hidden, down, down_config, interpret)[: x.shape[0]]
