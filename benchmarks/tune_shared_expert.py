@@ -127,18 +127,22 @@ def stream_k_candidates(row_count: int, k: int, parts: int, bp: int, cores: int 
 
 
 def tma_candidates(row_count: int, k: int, parts: int, batch: int) -> list[GemmConfig]:
-    """The TMA schedules worth timing for one kernel, where its rows split into 64-row CTAs and the
-    batch is at most 64: stages of 64, 128 and 256 columns, rings 2 to 8 deep that fit the shared
+    """The TMA schedules worth timing for one kernel at a batch of at most 64: CTAs of 64 rows (per
+    part) with stages of 64, 128 and 256 columns, and of 128 rows (half the CTAs, each re-reading
+    ``x`` from L2 half as often) with stages of 64 and 128; rings 3 to 8 deep that fit the shared
     memory budget (``parts`` weight blocks and the ``x`` block per stage)."""
-    if row_count % TMA_ROWS or batch > TMA_MAX_BATCH:
+    if batch > TMA_MAX_BATCH:
         return []
     bp = -(-batch // 8) * 8
     out = []
-    for bk in (64, 128, 256):
-        stage = 2 * bk * (parts * TMA_ROWS + bp)
-        deepest = min(SMEM_BUDGET // stage, k // bk)
-        for depth in sorted({d for d in (2, 3, 4, 6, 8, deepest) if 2 <= d <= deepest}):
-            out.append(GemmConfig(TMA_ROWS, bk, 1, TMA_WARPS, depth, tma=True))
+    for rows, block_ks in zip(TMA_ROWS, ((64, 128, 256), (64, 128))):
+        if row_count % rows:
+            continue
+        for bk in block_ks:
+            stage = 2 * bk * (parts * rows + bp)
+            deepest = min(SMEM_BUDGET // stage, k // bk)
+            for depth in sorted({d for d in (3, 4, 6, 8, deepest) if 3 <= d <= deepest}):
+                out.append(GemmConfig(rows, bk, 1, TMA_WARPS, depth, tma=True))
     return out
 
 

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_front_jax import reference
-from moe_front_jax.pallas.streaming import TMA_MAX_BATCH, TMA_ROWS as ROWS, GemmConfig
+from moe_front_jax.pallas.streaming import TMA_MAX_BATCH, GemmConfig
 
 
 def padded_batch(batch: int) -> int:
@@ -58,9 +58,11 @@ def _transforms(block_k: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
 
 
-def _stream(x_gmem, w_gmem, first_tiles, block_k: int, depth: int, bp: int):
-    """The float32 accumulators ``[64, bp]`` of the weight's 64-row tiles ``first_tiles`` against
-    ``x`` over all of K: ``depth`` TMA stages of ``block_k`` columns in flight."""
+def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int):
+    """The float32 accumulators ``[block_rows, bp]`` of the weight's row tiles ``first_tiles``
+    (counted in ``block_rows``) against ``x`` over all of K: ``num_stages`` TMA stages of ``block_k``
+    columns in flight."""
+    rows, block_k, depth = config.block_rows, config.block_k, config.num_stages
     steps = x_gmem.shape[1] // block_k
     transforms = _transforms(block_k)
     parts = len(first_tiles)
@@ -73,7 +75,7 @@ def _stream(x_gmem, w_gmem, first_tiles, block_k: int, depth: int, bp: int):
             plgpu.wgmma_wait(parts)  # the previous step's stage may now be refilled
 
         w_specs = [
-            plgpu.BlockSpec((ROWS, block_k), lambda k, t=t: (t, k), transforms=transforms,
+            plgpu.BlockSpec((rows, block_k), lambda k, t=t: (t, k), transforms=transforms,
                             delay_release=1)
             for t in first_tiles
         ]
@@ -84,21 +86,21 @@ def _stream(x_gmem, w_gmem, first_tiles, block_k: int, depth: int, bp: int):
         )(*[w_gmem] * parts, x_gmem)
         return tuple(acc[...] for acc in accs)
 
-    return pl.run_scoped(scope, *[plgpu.ACC((ROWS, bp), jnp.float32)] * parts)
+    return pl.run_scoped(scope, *[plgpu.ACC((rows, bp), jnp.float32)] * parts)
 
 
 def _store_transposed(tile_t, out_gmem, column):
-    """A ``[64, bp]`` bfloat16 tile, transposed through shared memory, TMA-stored into
-    ``out_gmem[:, column : column + 64]`` (rows past the output's clipped)."""
-    bp = tile_t.shape[1]
+    """A ``[rows, bp]`` bfloat16 tile, transposed through shared memory, TMA-stored into
+    ``out_gmem[:, column : column + rows]`` (rows past the output's clipped)."""
+    rows, bp = tile_t.shape
 
     def scope(smem):
         smem.T[...] = tile_t
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem, out_gmem.at[pl.ds(0, bp), pl.ds(column, ROWS)])
+        plgpu.copy_smem_to_gmem(smem, out_gmem.at[pl.ds(0, bp), pl.ds(column, rows)])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(scope, plgpu.SMEM((bp, ROWS), jnp.bfloat16))
+    pl.run_scoped(scope, plgpu.SMEM((bp, rows), jnp.bfloat16))
 
 
 def _check(x, w, rows: int, config: GemmConfig, name: str) -> None:
@@ -109,10 +111,10 @@ def _check(x, w, rows: int, config: GemmConfig, name: str) -> None:
         raise NotImplementedError(
             f"the TMA schedule covers B <= {TMA_MAX_BATCH}, got B={batch}; use another schedule"
         )
-    if rows % ROWS:
+    if rows % config.block_rows:
         raise NotImplementedError(
-            f"the TMA schedule of {name} needs its rows a multiple of {ROWS}, got {rows}; use "
-            "another schedule"
+            f"the TMA schedule of {name} needs its rows a multiple of block_rows="
+            f"{config.block_rows}, got {rows}; use another schedule"
         )
     config.check_divides(depth_k, "K")
 
@@ -135,15 +137,15 @@ def _interpret_params(interpret: bool):
 def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool):
     """Kernel 1 on ``_tma_rows(x)``: its rows of ``hidden``."""
     s_r = gate_up.shape[0] // 2
-    batch, bp, tiles = x.shape[0], padded_batch(x.shape[0]), s_r // ROWS
+    rows = config.block_rows
+    batch, bp, tiles = x.shape[0], padded_batch(x.shape[0]), s_r // rows
 
     def kernel(x_gmem, w_gmem, out_gmem):
         tile = lax.axis_index("tile")
-        gate, up = _stream(x_gmem, w_gmem, (tile, tile + tiles), config.block_k,
-                           config.num_stages, bp)
+        gate, up = _stream(x_gmem, w_gmem, (tile, tile + tiles), config, bp)
         hidden = reference.situ(gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16), beta,
                                 linear_beta)
-        _store_transposed(hidden, out_gmem, tile * ROWS)
+        _store_transposed(hidden, out_gmem, tile * rows)
 
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((batch, s_r), jnp.bfloat16), grid=(tiles,),
@@ -158,11 +160,12 @@ def _down(hidden, down, config: GemmConfig, interpret: bool):
 
     def kernel(h_gmem, w_gmem, out_gmem):
         tile = lax.axis_index("tile")
-        (acc,) = _stream(h_gmem, w_gmem, (tile,), config.block_k, config.num_stages, bp)
-        _store_transposed(acc.astype(jnp.bfloat16), out_gmem, tile * ROWS)
+        (acc,) = _stream(h_gmem, w_gmem, (tile,), config, bp)
+        _store_transposed(acc.astype(jnp.bfloat16), out_gmem, tile * config.block_rows)
 
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((batch, rows), jnp.bfloat16), grid=(rows // ROWS,),
+        kernel, out_type=jax.ShapeDtypeStruct((batch, rows), jnp.bfloat16),
+        grid=(rows // config.block_rows,),
         grid_names=("tile",), interpret=_interpret_params(interpret), kernel_name="shared_down_tma",
     )(hidden, down)
 

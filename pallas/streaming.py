@@ -49,9 +49,9 @@ class GemmConfig:
         cores instead of a tensor-core dot (``vector_stream``), so no split (``split_k`` 1), no
         counters and no partials.
       tma: (keyword only) the Mosaic GPU schedule of ``shared_expert_tma`` (the shared expert's
-        kernels at ``B <= 64``): one warpgroup per 64 weight rows over all of K, the weight streamed
-        through a ring of ``num_stages`` TMA stages of ``block_k`` columns into wgmma; so
-        ``block_rows`` 64, ``num_warps`` 4, ``split_k`` 1, no programs.
+        kernels at ``B <= 64``): one warpgroup per 64 or 128 weight rows (``block_rows``) over all
+        of K, the weight streamed through a ring of ``num_stages`` TMA stages of ``block_k`` columns
+        into wgmma; so ``num_warps`` 4, ``split_k`` 1, no programs.
     """
 
     block_rows: int
@@ -93,12 +93,14 @@ class GemmConfig:
                 f"the vector schedule streams all of K per program: {name}.programs must be 0, got "
                 f"{self.programs}"
             )
-        tma = (self.block_rows, self.split_k, self.num_warps, self.programs, self.vector)
-        if self.tma and (tma != (TMA_ROWS, 1, TMA_WARPS, 0, False) or self.num_stages < 2):
+        tma = (self.split_k, self.num_warps, self.programs, self.vector)
+        if self.tma and (tma != (1, TMA_WARPS, 0, False) or self.num_stages < 2
+                         or self.block_rows not in TMA_ROWS):
             raise ValueError(
-                f"the TMA schedule is one warpgroup per {TMA_ROWS} rows over all of K with a ring "
-                f"of >= 2 stages: {name}(block_rows={TMA_ROWS}, block_k, split_k=1, "
-                f"num_warps={TMA_WARPS}, num_stages>=2, programs=0, tma=True), got {self}"
+                f"the TMA schedule is one warpgroup per {' or '.join(map(str, TMA_ROWS))} rows "
+                f"over all of K with a ring of >= 2 stages: {name}(block_rows, block_k, "
+                f"split_k=1, num_warps={TMA_WARPS}, num_stages>=2, programs=0, tma=True), got "
+                f"{self}"
             )
 
     def least_block_rows(self) -> int:
@@ -114,8 +116,8 @@ class GemmConfig:
             )
 
 
-TMA_ROWS = 64
-"""Weight rows per CTA of the TMA schedule: one warpgroup's wgmma M."""
+TMA_ROWS = (64, 128)
+"""Weight rows a CTA of the TMA schedule may own (per part): one or two of a warpgroup's wgmma M."""
 TMA_WARPS = 4
 """The TMA schedule's CTA: one warpgroup."""
 TMA_MAX_BATCH = 64

@@ -165,10 +165,16 @@ def test_registered_for_pallas_and_interpret():
     assert kernel.func is se.shared_expert and kernel.keywords == {"interpret": True}
 
 
+def kernel_count(text: str) -> int:
+    """GPU kernels of a lowered call that are ours: Triton's and Mosaic GPU's custom calls."""
+    return text.count("__gpu$xla.gpu.triton") + text.count("@mosaic_gpu_v2")
+
+
 @pytest.mark.parametrize("tp", [1, 8])
 def test_lowers_for_h200_as_two_kernels(tp):
-    """Two Triton kernels per call (plus zeroed counters where K is split); no XLA dot, cast or
-    slice: gate and up never leave the first kernel."""
+    """Two kernels per call (Triton's, or the TMA schedule's Mosaic GPU ones where the table runs
+    it; plus zeroed counters where K is split); no XLA dot, cast or slice: gate and up never leave
+    the first kernel."""
     cfg = K3.with_tp(tp)
     s_r = cfg.shared_per_rank
     gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
@@ -178,7 +184,7 @@ def test_lowers_for_h200_as_two_kernels(tp):
         for out_dtype in (jnp.float32, jnp.bfloat16):
             fn = functools.partial(se.shared_expert, cfg=cfg, out_dtype=out_dtype)
             text = lower_for_h200(fn, x, gate_up, down)
-            assert text.count("__gpu$xla.gpu.triton") == 2, (tp, batch)
+            assert kernel_count(text) == 2, (tp, batch)
             for op in ("stablehlo.convert", "stablehlo.slice", "stablehlo.dot_general"):
                 assert op not in text, (tp, batch, op)
 
@@ -262,6 +268,119 @@ def test_pick_config_uses_the_table_on_h200():
                 assert se.pick_config(s_r, K3.hidden, batch) == table[key]
             table[key].gate_up.check_divides(K3.hidden, "H")
             table[key].down.check_divides(s_r, "S_r")
+
+
+TMA = functools.partial(G, 64, split_k=1, num_warps=4, tma=True)
+"""``TMA(block_k, num_stages)``: a TMA schedule (Mosaic GPU)."""
+
+
+# (batch, S_r, config): B = 1, 8 (at most 8 rows: one TMA box), 13 (padded to 16 and sliced back),
+# 24 (a multiple of 8); two and three CTAs of 64 gate rows, two of 128; rings of 2 to 4 stages.
+@pytest.mark.parametrize("batch, s_r, config", [
+    (1, 128, TMA(64, num_stages=2)),
+    (8, 192, TMA(128, num_stages=2)),
+    (13, 128, TMA(64, num_stages=3)),
+    (24, 128, TMA(64, num_stages=4)),
+    (5, 256, G(128, 64, 1, 4, 3, tma=True)),
+])
+def test_interpret_tma_gate_up_situ_matches_reference_exactly(batch, s_r, config):
+    """The TMA gate/up in Mosaic GPU's interpret mode: bit for bit reference.situ of the exact
+    bfloat16 gate and up, as the Triton schedules."""
+    x, w = exact_operands(batch, s_r, SMALL_HIDDEN, seed=batch)
+    hidden = jax.jit(lambda x, w: se.gate_up_situ(x, w, 4.0, 25.0, interpret=True, config=config))(
+        x, w)
+    assert hidden.dtype == jnp.bfloat16 and hidden.shape == (batch, s_r)
+    h = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    gate, up = h[:, :s_r].astype(ml_dtypes.bfloat16), h[:, s_r:].astype(ml_dtypes.bfloat16)
+    want = reference.situ(jnp.asarray(gate), jnp.asarray(up), 4.0, 25.0)
+    np.testing.assert_array_equal(np.asarray(hidden).view(np.uint16), np.asarray(want).view(np.uint16))
+    assert np.abs(np.asarray(hidden, np.float32)).max() > 1
+
+
+@pytest.mark.parametrize("batch, rows, depth, config", [
+    (3, 128, 256, TMA(64, num_stages=2)),
+    (16, 192, 128, TMA(128, num_stages=2)),
+    (21, 64, 512, TMA(128, num_stages=3)),
+    (2, 256, 128, G(128, 64, 1, 4, 2, tma=True)),
+])
+def test_interpret_tma_down_matches_float64_exactly(batch, rows, depth, config):
+    """The TMA down (bfloat16 out) on small-integer operands, whose float32 product is exact."""
+    rng = np.random.default_rng(batch)
+    h = jnp.asarray(rng.integers(-8, 9, (batch, depth)), jnp.bfloat16)
+    d = rng.integers(-3, 4, (rows, depth)) * np.exp2(rng.integers(-6, 7, (rows, 1)))
+    d = jnp.asarray(d, jnp.bfloat16)
+    got = jax.jit(lambda h, d: se.down_proj(h, d, interpret=True, config=config))(h, d)
+    want = np.asarray(h, np.float64) @ np.asarray(d, np.float64).T
+    assert got.dtype == jnp.bfloat16 and got.shape == (batch, rows)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+@pytest.mark.parametrize("batch", [1, 37])
+def test_interpret_tma_shared_expert_matches_reference_and_float64(batch):
+    """Both kernels on the TMA schedule (the table's choice at tp1), one call: B=37 passes ``hidden``
+    between them in its 40 padded rows."""
+    cfg = dataclasses.replace(K3, hidden=SMALL_HIDDEN, shared=256)
+    _, gate_up, down = rank_slices(mf.init_weights(jax.random.key(1), cfg), cfg, 0,
+                                   cfg.experts_per_rank)
+    x = jax.random.normal(jax.random.key(batch), (batch, SMALL_HIDDEN)).astype(jnp.bfloat16)
+    config = se.SharedExpertConfig(TMA(64, num_stages=3), TMA(128, num_stages=2))
+    got = jax.jit(lambda x, g, d: se.shared_expert(x, g, d, cfg, interpret=True, config=config))(
+        x, gate_up, down)
+    assert got.dtype == jnp.bfloat16 and got.shape == (batch, SMALL_HIDDEN)
+    assert_close_to_float64(got, reference.shared_expert(x, gate_up, down, cfg), 2.0**-6)
+    assert_close_to_float64(got, oracle.shared_expert(x, gate_up, down), 1e-2)
+
+
+def test_tma_schedule_lowers_for_h200_as_two_mosaic_kernels():
+    """At K3's tp1 shapes: two Mosaic GPU kernels and no XLA dot; at B=37, not a multiple of 8, one
+    pad of ``x`` and one slice of the output beside them; a float32 output (a partial sum) keeps the
+    TMA gate/up and takes the heuristic's Triton down."""
+    s_r = K3.shared_per_rank
+    gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
+    down = jnp.zeros((K3.hidden, s_r), jnp.bfloat16)
+    config = se.SharedExpertConfig(TMA(128, num_stages=4), TMA(128, num_stages=6))  # tp1 B=64's
+    for batch in (1, 8, 37, 64):
+        x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
+        fn = functools.partial(se.shared_expert, cfg=K3, config=config)
+        text = lower_for_h200(fn, x, gate_up, down)
+        assert text.count("@mosaic_gpu_v2") == 2 and "triton" not in text, batch
+        assert "stablehlo.dot_general" not in text
+        assert (text.count("stablehlo.pad"), text.count("stablehlo.slice")) == (
+            (1, 1) if batch == 37 else (0, 0)), batch
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        picked = se.pick_config(s_r, K3.hidden, 1, jnp.float32)
+    assert picked.gate_up.tma and not picked.down.tma, picked
+    text = lower_for_h200(functools.partial(se.shared_expert, cfg=K3, out_dtype=jnp.float32),
+                          jnp.zeros((1, K3.hidden), jnp.bfloat16), gate_up, down)
+    assert (text.count("@mosaic_gpu_v2"), text.count("__gpu$xla.gpu.triton")) == (1, 1)
+
+
+def test_tma_config_and_request_errors():
+    """A TMA schedule is 64 or 128 rows, one warpgroup, no split, two stages or more; a request it
+    does not cover is a NotImplementedError that says so."""
+    for bad in (dict(block_rows=32), dict(split_k=2), dict(num_warps=8), dict(num_stages=1),
+                dict(programs=132)):
+        args = dict(block_rows=64, block_k=128, split_k=1, num_warps=4, num_stages=4) | bad
+        with pytest.raises(ValueError, match="the TMA schedule is one warpgroup per 64 or 128 rows"):
+            G(**args, tma=True)
+    with pytest.raises(ValueError, match="GemmConfig.tma must be a bool, got 1"):
+        G(64, 128, 1, 4, 4, tma=1)
+    entry = {"gate_up": dataclasses.asdict(TMA(128, num_stages=4)),
+             "down": dataclasses.asdict(G(64, 64, 2, 4, 6))}
+    config = se.SharedExpertConfig.from_json(entry)
+    assert (config.gate_up.tma, config.down.tma) == (True, False)
+    x, h = jnp.zeros((65, 256), jnp.bfloat16), jnp.zeros((2, 128), jnp.bfloat16)
+    two_stages = TMA(64, num_stages=2)
+    with pytest.raises(NotImplementedError, match="covers B <= 64, got B=65"):
+        se.gate_up_situ(x, jnp.zeros((256, 256), jnp.bfloat16), 4.0, 25.0, config=two_stages)
+    with pytest.raises(NotImplementedError, match="rows a multiple of block_rows=64, got 96"):
+        se.gate_up_situ(x[:2], jnp.zeros((192, 256), jnp.bfloat16), 4.0, 25.0, config=two_stages)
+    with pytest.raises(NotImplementedError, match="writes bfloat16 .* not float32"):
+        se.down_proj(h, jnp.zeros((64, 128), jnp.bfloat16), jnp.float32, config=two_stages)
+    with pytest.raises(ValueError, match="needs K divisible by split_k \\* block_k = 256"):
+        se.down_proj(h, jnp.zeros((64, 128), jnp.bfloat16), config=TMA(256, num_stages=2))
 
 
 def test_errors():
