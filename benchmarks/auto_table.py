@@ -1,6 +1,6 @@
 """Where ``backend="auto"`` runs the GEMM kernels, from benchmark runs: pallas/tuning/<device>_auto.json.
 
-  python benchmarks/auto_table.py --front F.json [F.json ...] --shared S.json [S.json ...] \\
+  python benchmarks/auto_table.py --front F.json [F.json ...] --shared S.json [S.json:8 ...] \\
       [--out pallas/tuning/h200_auto.json]
 
 For the front GEMM and the shared expert ``"auto"`` chooses, per shape and batch, between the
@@ -10,7 +10,9 @@ kernel time and ``xla_stage_us``) and of ``bench_shared_expert.py`` (its ``palla
 rows) on the GPU (benchmarks/RESULTS.md says which tuning tables each ran), and marks a (stage,
 shape, batch) for the kernel only
 where the kernel took at most ``1 / MARGIN`` of XLA's time in every run given: where runs disagree
-within the machine's noise, and at batches no run measured, ``"auto"`` keeps XLA. The keys are the
+within the machine's noise, and at batches no run measured, ``"auto"`` keeps XLA. A file named as
+``PATH:TP[,TP...]`` counts for those tp only: a run made on an earlier table still speaks for the
+shapes whose schedules have not changed since. The keys are the
 tuning tables' (``front_gemm.table_key``, ``shared_expert.table_key``), so a batch takes the entry of
 its power of two. Prints the table of choices; writes the JSON (the runs' times and the choice).
 """
@@ -40,10 +42,20 @@ def front_times(path: str) -> dict[str, tuple[float, float]]:
     return out
 
 
-def shared_times(path: str) -> dict[str, tuple[float, float]]:
-    """``table key -> (kernels us, XLA reference stage us)`` of one ``bench_shared_expert.py`` run."""
+def run_file(arg: str) -> tuple[str, set[int] | None]:
+    """``PATH`` or ``PATH:TP[,TP...]`` -> (the path, the tp it counts for; None: every tp)."""
+    path, _, tps = arg.partition(":")
+    return path, set(map(int, tps.split(","))) if tps else None
+
+
+def shared_times(arg: str) -> dict[str, tuple[float, float]]:
+    """``table key -> (kernels us, XLA reference stage us)`` of one ``bench_shared_expert.py`` run
+    (``arg``: ``run_file``'s form)."""
+    path, tps = run_file(arg)
     us = {}
     for row in json.load(open(path))["rows"]:
+        if tps is not None and row["tp"] not in tps:
+            continue
         s = SharedShape.k3(row["tp"])
         key = se.table_key(s.shared, s.hidden, row["batch"])
         us.setdefault(key, {})[row["backend"]] = row["time_us"]
@@ -76,7 +88,7 @@ def main() -> None:
     parser.add_argument("--shared", nargs="+", required=True, help="bench_shared_expert.py results")
     parser.add_argument("--out", default="pallas/tuning/h200_auto.json")
     args = parser.parse_args()
-    devices = {json.load(open(p))["device"] for p in args.front + args.shared}
+    devices = {json.load(open(run_file(p)[0]))["device"] for p in args.front + args.shared}
     if len(devices) != 1:
         raise SystemExit(f"the runs come from more than one device kind: {sorted(devices)}")
     entries = build(args.front, args.shared)

@@ -22,6 +22,8 @@ from h200 import H200, lower_for_h200
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 K3 = mf.KIMI_K3
 KERNEL = "__gpu$xla.gpu.triton"
+MOSAIC_KERNEL = "@mosaic_gpu_v2"
+"""The custom calls of our Triton kernels and of the shared expert's TMA (Mosaic GPU) kernels."""
 
 
 def auto_entries(stage):
@@ -91,24 +93,27 @@ def test_auto_shared_expert_is_the_kernels_where_the_table_says(monkeypatch, tp)
         text = lower_for_h200(lambda x, g, d: shared(x, g, d, cfg, dtype),
                               jnp.zeros((batch, K3.hidden), jnp.bfloat16), gate_up, down)
         want = entry.get("kernel", False)
-        assert text.count(KERNEL) == (2 if want else 0), (tp, batch)
+        assert text.count(KERNEL) + text.count(MOSAIC_KERNEL) == (2 if want else 0), (tp, batch)
         assert ("stablehlo.dot_general" in text) == (not want), (tp, batch)
 
 
 def test_auto_moe_front_takes_the_kernel_at_b1_and_xla_at_b8(monkeypatch):
     """The whole front on ``"auto"`` at tp1: the GEMM kernel and the routing kernel at B=1, where
-    the table has the kernel; XLA's dot and the routing kernel at B=8, where it has XLA (and XLA's
-    shared expert at both, as the table has it at tp1)."""
+    the table has the kernel; XLA's dot and the routing kernel at B=8, where it has XLA; the shared
+    expert's two TMA kernels at both, as the table has them at tp1."""
     monkeypatch.setattr(backends, "on_gpu", lambda: True)
     assert auto_entries("front_gemm")[fg.table_key(896, 3584, 7168, 1)]["kernel"]
     assert not auto_entries("front_gemm")[fg.table_key(896, 3584, 7168, 8)]["kernel"]
+    for batch in (1, 8):
+        assert auto_entries("shared_expert")[se.table_key(6144, 7168, batch)]["kernel"]
     params = mf.pack_params(mf.init_weights(jax.random.key(0), K3), K3)
     for batch, kernels in ((1, ["front_gemm", "route"]), (8, ["route"])):
         x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
         text = lower_for_h200(lambda x, p: mf.moe_front(x, p, backend="auto"), x, params)
         assert text.count(KERNEL) == len(kernels), batch
         assert sorted(re.findall(r'name = "(\w+)", num_stages', text)) == sorted(kernels), batch
-        assert "stablehlo.dot_general" in text  # the shared expert's, and at B=8 the GEMM's
+        assert text.count(MOSAIC_KERNEL) == 2, batch
+        assert ("stablehlo.dot_general" in text) == (batch == 8)  # the GEMM's at B=8
 
 
 def test_malformed_arguments_take_the_reference(monkeypatch):
