@@ -41,10 +41,16 @@ as one program per ``block_rows`` rows (1 to 16; gate/up: as many gate and up ro
 multiply-adds on the CUDA cores, no split, no counters; the same epilogues. At tp8 a gate/up program
 of one gate and one up row gives 768 programs without splitting K.
 
-Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working), for the reasons of
-``front_gemm``: a pipelined K loop, small-M tensor-core dots, masks and global atomics are what Triton
-does well; tanh lowers to libdevice and the sigmoid to ``1 / (1 + exp(-g))``. Mosaic GPU would need
-the pipeline, the tiny-M tiles and the split-K handshake written by hand.
+TMA schedule (``GemmConfig(64, block_k, 1, 4, stages, tma=True)``, ``B <= 64``;
+``shared_expert_tma``): either kernel in Mosaic GPU, one warpgroup per 64 (or 128) weight rows over
+all of K, the weight streamed through a ring of TMA stages into wgmma; bfloat16 output only, so a
+float32 request (a partial sum under tp) takes the heuristic's down kernel instead (``pick_config``).
+
+Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working) for the grid, stream-K and
+vector schedules, for the reasons of ``front_gemm``: a pipelined K loop, small-M tensor-core dots,
+masks and global atomics are what Triton does well; tanh lowers to libdevice and the sigmoid to
+``1 / (1 + exp(-g))``. Mosaic GPU for the TMA schedule, where a whole-K row tile needs no split-K
+handshake and the copy engine keeps more of the weight in flight than Triton's loads do.
 
 Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the two kernels' split_k, their partials 0 when 1):
   bytes  = 2 * 2 * S_r * H            gate_up read: 176 MB at tp1, 22 MB at tp8 for K3
@@ -59,16 +65,15 @@ Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the two kernels' split_k, their pa
 so the arithmetic intensity is about B FLOP/byte: memory-bound for decode batches; the floor on an
 H200 is the weight bytes over the HBM read bandwidth (56.8 us at tp1, 7.1 us at tp8 at 4.65 TB/s).
 
-Measured on the H200 (2026-12-04, eleventh session's run 11, tuned table, CUPTI, weights rotated;
-benchmarks/RESULTS.md): tp1 B=1/8/16/64 68.0/69.1/69.4/83.8 us (3.89/3.83/3.81/3.15 TB/s) against
-XLA's 72.1/69.5/73.4/81.4; tp8 B=1/8/16/64 12.4/16.6/16.3/21.7 us against 14.5/14.9/16.8/19.9. The
-table runs the vector gate/up at tp1 B=1 and tp8 B=1-4 (run 9 at tp8 B=1: 7.36 us, XLA's gate/up
-9.90) and the stream-K gate/up at tp1 B=64; the down GEMM stays on the tensor cores (run 9 at tp8
-B=1: 4.90 us over 11 MB, XLA's 4.48; at tp1 B=1 the vector down is level with it, within the runs'
-noise). ``"auto"`` runs these kernels where they measured faster (``auto_prefers_kernel``): at tp8
-B <= 2. Both GEMMs in one launch (a ticket per program's work, the down programs waiting for
-``hidden``) was slower at every shape measured, in the fifth session and again in the eleventh
-(RESULTS.md): the two kernels stay.
+Measured on the H200 (2026-12-04, twelfth session's run 2, tuned table, CUPTI, weights rotated;
+benchmarks/RESULTS.md): tp1 B=1/8/16/64 64.8/63.8/66.2/69.0 us (4.08/4.14/3.99/3.83 TB/s) on the
+TMA schedule against XLA's 72.0/70.8/73.3/86.5 (the Triton schedules' best took 68.0/69.1/69.4/83.8
+in the eleventh session); tp8 B=1/8/16/64 12.4/16.8/16.4/21.7 us against 15.7/15.5/17.4/19.3. The
+table runs the TMA schedule for both kernels at tp1 (B = 1-64), the vector gate/up at tp8 B=1-4 and
+the tensor-core grid elsewhere at tp8. ``"auto"`` runs these kernels where they measured faster
+(``auto_prefers_kernel``): at tp1 for B <= 64 and at tp8 B <= 2. Both GEMMs in one launch (a
+ticket per program's work, the down programs waiting for ``hidden``) was slower at every shape
+measured, in the fifth session and again in the eleventh (RESULTS.md): the two kernels stay.
 """
 
 from __future__ import annotations

@@ -1,17 +1,20 @@
 """The shared expert's two GEMMs on Hopper's bulk tensor copies and warpgroup MMAs (Mosaic GPU).
 
-The TMA schedule of ``shared_expert`` (``GemmConfig(64, block_k, 1, 4, depth, tma=True)``, B <= 64):
+The TMA schedule of ``shared_expert`` (``GemmConfig(rows, block_k, 1, 4, depth, tma=True)``,
+``rows`` 64 or 128, B <= 64):
 
-    kernel 1  hidden[B, S_r] = situ(bf16(x @ gate.T), bf16(x @ up.T))      one CTA per 64 gate rows
-    kernel 2  shared[B, H]   = bf16(hidden @ down.T)                        one CTA per 64 H rows
+    kernel 1  hidden[B, S_r] = situ(bf16(x @ gate.T), bf16(x @ up.T))   one CTA per ``rows`` gate rows
+    kernel 2  shared[B, H]   = bf16(hidden @ down.T)                     one CTA per ``rows`` H rows
 
 Each CTA is one warpgroup that streams its weight rows over ALL of K through ``emit_pipeline``'s ring
 of ``depth`` TMA stages of ``block_k`` columns: the copy engine keeps up to ``depth`` stages of the
 weight in flight per SM with no thread issuing loads, which is what a weight read at the HBM rate
 needs (``streaming``'s Triton schedules hold their bytes in flight in registers). The weight tile is
-wgmma's M operand (64 rows) and the batch, padded to ``Bp`` (a multiple of 8), its N: the float32
-accumulator is the transposed output tile ``[64, Bp]``, one warpgroup's registers. Batch rows past B
-are TMA out-of-bounds reads (zero filled, no memory traffic) and are clipped from the stores.
+wgmma's M operand and the batch, padded to ``Bp`` (a multiple of 8), its N: the float32 accumulator
+is the transposed output tile ``[rows, Bp]``, one warpgroup's registers. Batch rows past B are TMA
+out-of-bounds reads (zero filled, no memory traffic) and are clipped from the stores. A TMA box holds
+up to 8 rows or a multiple of 8, so a batch of 9-63 that is not a multiple of 8 is padded with zero
+rows first and the output sliced back (one small XLA op each; ``_tma_rows``).
 
 No split of K and so no partial sums, counters or second pass: at tp1 the gate/up GEMM is
 ``S_r / 64 = 96`` CTAs (each 64 gate and the matching 64 up rows, two accumulators) and the down GEMM
@@ -28,11 +31,18 @@ float32 partial sums of tp > 1 stay on ``streaming``'s schedules).
 
 Cost per call (bf16 = 2 bytes):
   bytes = 2 * 2 * S_r * H + 2 * H * S_r    the two weights, each read once (264.2 MB at tp1): the bound
-        + 2 * Bp * H * S_r / 64             x re-read from L2 by every gate/up CTA (not HBM)
-        + 2 * Bp * S_r * H / 64             hidden re-read from L2 by every down CTA (not HBM)
+        + 2 * Bp * H * S_r / rows           x re-read from L2 by every gate/up CTA (not HBM)
+        + 2 * Bp * S_r * H / rows           hidden re-read from L2 by every down CTA (not HBM)
         + 2 * B * S_r + 2 * B * H           hidden and shared written
   FLOPs = 2 * Bp * 3 * S_r * H              on the tensor cores (Bp >= 8: 8x B's at B=1, free here)
 so a call is bound by the weight read: 56.8 us at tp1 at the H200's 4.65 TB/s.
+
+Measured on the H200 (2026-12-04, twelfth session, CUPTI, weights rotated; benchmarks/RESULTS.md):
+at tp1 the gate/up takes 41.6-42.2 us at B <= 8 (4.18-4.24 TB/s; XLA's row sum of the same weight
+reads it at 4.51) and 44.4 at B=64; the down 21.3-21.6 us (4.07-4.13 TB/s) and 22.9. Both kernels
+take 62.8-69.0 us per call at B = 1-64 against XLA's 68.8-86.5. The best rings hold 4-6 stages of
+128-256 columns; 128-row CTAs (``block_rows=128``: half the CTAs, half the re-reads of ``x``) were
+slower at every batch (tp1 B=64's gate/up: 55.0 against 44.4 us).
 """
 
 from __future__ import annotations
@@ -58,6 +68,12 @@ def _transforms(block_k: int) -> tuple:
     return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
 
 
+WGMMA_STEPS_IN_FLIGHT = 1
+"""K steps whose wgmmas may still run when the next step's are issued; each holds its ring slot until
+they finish, so a ring of ``num_stages`` keeps ``num_stages - WGMMA_STEPS_IN_FLIGHT`` TMA stages
+ahead."""
+
+
 def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int):
     """The float32 accumulators ``[block_rows, bp]`` of the weight's row tiles ``first_tiles``
     (counted in ``block_rows``) against ``x`` over all of K: ``num_stages`` TMA stages of ``block_k``
@@ -72,15 +88,17 @@ def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int):
             *w_smem, x_smem = smem
             for acc, w in zip(accs, w_smem):
                 plgpu.wgmma(acc, w, x_smem.T)
-            plgpu.wgmma_wait(parts)  # the previous step's stage may now be refilled
+            # The wgmmas of steps before the last WGMMA_STEPS_IN_FLIGHT are done: their slots may
+            # be refilled.
+            plgpu.wgmma_wait(parts * WGMMA_STEPS_IN_FLIGHT)
 
         w_specs = [
             plgpu.BlockSpec((rows, block_k), lambda k, t=t: (t, k), transforms=transforms,
-                            delay_release=1)
+                            delay_release=WGMMA_STEPS_IN_FLIGHT)
             for t in first_tiles
         ]
         x_spec = plgpu.BlockSpec((bp, block_k), lambda k: (0, k), transforms=transforms,
-                                 delay_release=1)
+                                 delay_release=WGMMA_STEPS_IN_FLIGHT)
         plgpu.emit_pipeline(
             body, grid=(steps,), in_specs=[*w_specs, x_spec], max_concurrent_steps=depth
         )(*[w_gmem] * parts, x_gmem)

@@ -121,8 +121,8 @@ TMA_ROWS = (64, 128)
 TMA_WARPS = 4
 """The TMA schedule's CTA: one warpgroup."""
 TMA_MAX_BATCH = 64
-"""Largest batch of the TMA schedule: its gate/up accumulators take ``2 * 64 * Bp / 128`` float32
-registers a thread (``Bp`` the batch rounded up to 8)."""
+"""Largest batch of the TMA schedule: its gate/up accumulators take ``2 * block_rows * Bp / 128``
+float32 registers a thread (``Bp`` the batch rounded up to 8)."""
 
 VECTOR_MAX_BATCH = 8
 """Largest batch of the vector schedule: it keeps one ``[block_rows, block_k]`` float32 accumulator
