@@ -11,8 +11,8 @@ kernel's XLA counterpart (the check's reference) is timed in the same run.
   python benchmarks/tune_shared_expert.py --schedules stream_k --merge --table ...
 
 ``--schedules`` picks the kinds of schedule timed (``grid``: split-K over a grid of tiles,
-``stream_k``: one or two programs per SM, ``vector``, ``tma``: Mosaic GPU's TMA ring into wgmma,
-where the rows divide into 64-row CTAs and B <= 64); the schedules a key runs now (its ``--table``
+``stream_k``: one or two programs per SM, ``vector``, ``tma``: Mosaic GPU's TMA ring into wgmma
+at B <= 64); the schedules a key runs now (its ``--table``
 entry, or the heuristic's where it has none) are timed beside them, so that a merge keeps them
 unless a candidate beats them in the same run.
 
@@ -126,23 +126,28 @@ def stream_k_candidates(row_count: int, k: int, parts: int, bp: int, cores: int 
     return out
 
 
-def tma_candidates(row_count: int, k: int, parts: int, batch: int) -> list[GemmConfig]:
-    """The TMA schedules worth timing for one kernel at a batch of at most 64: CTAs of 64 rows (per
-    part) with stages of 64, 128 and 256 columns, and of 128 rows (half the CTAs, each re-reading
-    ``x`` from L2 half as often) with stages of 64 and 128; rings 3 to 8 deep that fit the shared
-    memory budget (``parts`` weight blocks and the ``x`` block per stage)."""
-    if batch > TMA_MAX_BATCH:
+def tma_candidates(row_count: int, k: int, parts: int, batch: int, cores: int = 132
+                   ) -> list[GemmConfig]:
+    """The TMA schedules worth timing for one kernel at a batch of at most 64: 64-row CTAs (per
+    part) with stages of 64, 128 and 256 columns; no split of K where the row tiles give two thirds
+    of the ``cores`` SMs a CTA, else each split that gives them 96 to 300 CTAs of at least two K
+    steps (XLA then sums the partials); rings 3 to 8 deep (fewer where a CTA has fewer K steps) that
+    fit the shared memory budget (``parts`` weight blocks and the ``x`` block per stage)."""
+    if batch > TMA_MAX_BATCH or row_count % TMA_ROWS:
         return []
-    bp = -(-batch // 8) * 8
+    bp, tiles = -(-batch // 8) * 8, row_count // TMA_ROWS
     out = []
-    for rows, block_ks in zip(TMA_ROWS, ((64, 128, 256), (64, 128))):
-        if row_count % rows:
+    for bk in (64, 128, 256):
+        if k % bk:
             continue
-        for bk in block_ks:
-            stage = 2 * bk * (parts * rows + bp)
-            deepest = min(SMEM_BUDGET // stage, k // bk)
-            for depth in sorted({d for d in (3, 4, 6, 8, deepest) if 3 <= d <= deepest}):
-                out.append(GemmConfig(rows, bk, 1, TMA_WARPS, depth, tma=True))
+        steps = k // bk
+        splits = ([1] if 3 * tiles >= 2 * cores else
+                  [s for s in divisors(steps) if 96 <= tiles * s <= 300 and steps // s >= 2])
+        stage = 2 * bk * (parts * TMA_ROWS + bp)
+        for split in splits:
+            deepest = min(SMEM_BUDGET // stage, steps // split)
+            for depth in sorted({d for d in (3, 4, 6, 8, deepest) if min(3, deepest) <= d <= deepest}):
+                out.append(GemmConfig(TMA_ROWS, bk, split, TMA_WARPS, depth, tma=True))
     return out
 
 
@@ -202,7 +207,7 @@ def main() -> None:
                     configs += stream_k_candidates(row_count, k, parts, tile)
                 if "vector" in kinds and bp <= VECTOR_MAX_BATCH:
                     configs += vector_candidates(row_count, k, parts, bp)
-                if "tma" in kinds and (kernel == "gate_up" or tp == 1):  # TMA down: bf16 out
+                if "tma" in kinds:
                     configs += tma_candidates(row_count, k, parts, bp)
                 per_key.append([(tp, bp, kernel, c) for c in dict.fromkeys(configs)])
     jobs = [lst[i] for i in range(max(map(len, per_key))) for lst in per_key if i < len(lst)]

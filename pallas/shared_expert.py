@@ -41,10 +41,10 @@ as one program per ``block_rows`` rows (1 to 16; gate/up: as many gate and up ro
 multiply-adds on the CUDA cores, no split, no counters; the same epilogues. At tp8 a gate/up program
 of one gate and one up row gives 768 programs without splitting K.
 
-TMA schedule (``GemmConfig(64, block_k, 1, 4, stages, tma=True)``, ``B <= 64``;
-``shared_expert_tma``): either kernel in Mosaic GPU, one warpgroup per 64 (or 128) weight rows over
-all of K, the weight streamed through a ring of TMA stages into wgmma; bfloat16 output only, so a
-float32 request (a partial sum under tp) takes the heuristic's down kernel instead (``pick_config``).
+TMA schedule (``GemmConfig(64, block_k, split_k, 4, stages, tma=True)``, ``B <= 64``;
+``shared_expert_tma``): either kernel in Mosaic GPU, one warpgroup per 64 weight rows over a
+``K / split_k`` chunk, the weight streamed through a ring of TMA stages into wgmma; where K is split
+or the output is float32, XLA sums the kernel's float32 partials and runs the epilogue.
 
 Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working) for the grid, stream-K and
 vector schedules, for the reasons of ``front_gemm``: a pipelined K loop, small-M tensor-core dots,
@@ -183,21 +183,16 @@ def heuristic_config(shared_per_rank: int, hidden: int, batch: int, cores: int) 
     )
 
 
-def pick_config(shared_per_rank: int, hidden: int, batch: int,
-                out_dtype: jnp.dtype = jnp.bfloat16) -> SharedExpertConfig:
-    """The table's entry for this shape on the target device, else ``heuristic_config``. A TMA down
-    schedule writes bfloat16 only: for a float32 ``out_dtype`` the heuristic's down replaces it."""
+def pick_config(shared_per_rank: int, hidden: int, batch: int) -> SharedExpertConfig:
+    """The table's entry for this shape on the target device, else ``heuristic_config``."""
     table = load_table(device_kind())
-    heuristic = functools.partial(heuristic_config, shared_per_rank, hidden, batch, core_count())
     # The batch's own power of two (vector schedules are tuned per small batch), then the
     # tensor-core batch tile it pads to.
     for size in (batch, padded_batch(batch)):
         found = table.get(table_key(shared_per_rank, hidden, size))
         if found is not None:
-            if found.down.tma and jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16):
-                return dataclasses.replace(found, down=heuristic().down)
             return found
-    return heuristic()
+    return heuristic_config(shared_per_rank, hidden, batch, core_count())
 
 
 def auto_prefers_kernel(x, gate_up, down, cfg, out_dtype=jnp.bfloat16) -> bool:
@@ -349,12 +344,7 @@ def _gemm(x, w, rows, out_dtype, config, situ, interpret, name):
     if config.tma:
         if situ:
             return shared_expert_tma.gate_up_situ(x, w, *situ, config=config, interpret=interpret)
-        if out_dtype != jnp.bfloat16:
-            raise NotImplementedError(
-                f"the TMA schedule's down kernel writes bfloat16 (tp1's output), not {out_dtype}; "
-                "use another schedule for float32 partial sums"
-            )
-        return shared_expert_tma.down_proj(x, w, config=config, interpret=interpret)
+        return shared_expert_tma.down_proj(x, w, out_dtype, config=config, interpret=interpret)
     config.check_divides(depth, "K")
     g = Geometry(batch, depth, rows, config)
     if config.vector:
@@ -498,13 +488,13 @@ def shared_expert(
     """
     _check(x, gate_up, down, cfg, out_dtype)
     s_r, hidden = down.shape[1], x.shape[1]
-    config = config or pick_config(s_r, hidden, x.shape[0], out_dtype)
+    config = config or pick_config(s_r, hidden, x.shape[0])
     if not isinstance(config, SharedExpertConfig):
         raise ValueError(f"config must be a SharedExpertConfig or None, got {type(config).__name__}")
-    if config.gate_up.tma and config.down.tma and jnp.dtype(out_dtype) == jnp.bfloat16:
+    if config.gate_up.tma and config.down.tma:
         return shared_expert_tma.shared_expert(
-            x, gate_up, down, cfg.situ_beta, cfg.linear_beta, gate_up_config=config.gate_up,
-            down_config=config.down, interpret=interpret,
+            x, gate_up, down, cfg.situ_beta, cfg.linear_beta, out_dtype,
+            gate_up_config=config.gate_up, down_config=config.down, interpret=interpret,
         )
     h = gate_up_situ(
         x, gate_up, cfg.situ_beta, cfg.linear_beta, interpret=interpret, config=config.gate_up

@@ -1,39 +1,45 @@
 """The shared expert's two GEMMs on Hopper's bulk tensor copies and warpgroup MMAs (Mosaic GPU).
 
-The TMA schedule of ``shared_expert`` (``GemmConfig(rows, block_k, 1, 4, depth, tma=True)``,
-``rows`` 64 or 128, B <= 64):
+The TMA schedule of ``shared_expert`` (``GemmConfig(64, block_k, split_k, 4, depth, tma=True)``,
+B <= 64):
 
-    kernel 1  hidden[B, S_r] = situ(bf16(x @ gate.T), bf16(x @ up.T))   one CTA per ``rows`` gate rows
-    kernel 2  shared[B, H]   = bf16(hidden @ down.T)                     one CTA per ``rows`` H rows
+    kernel 1  hidden[B, S_r] = situ(bf16(x @ gate.T), bf16(x @ up.T))      one CTA per 64 gate rows
+    kernel 2  shared[B, H]   = bf16(hidden @ down.T)                        one CTA per 64 H rows
 
 Each CTA is one warpgroup that streams its weight rows over ALL of K through ``emit_pipeline``'s ring
 of ``depth`` TMA stages of ``block_k`` columns: the copy engine keeps up to ``depth`` stages of the
 weight in flight per SM with no thread issuing loads, which is what a weight read at the HBM rate
 needs (``streaming``'s Triton schedules hold their bytes in flight in registers). The weight tile is
 wgmma's M operand and the batch, padded to ``Bp`` (a multiple of 8), its N: the float32 accumulator
-is the transposed output tile ``[rows, Bp]``, one warpgroup's registers. Batch rows past B are TMA
+is the transposed output tile ``[64, Bp]``, one warpgroup's registers. Batch rows past B are TMA
 out-of-bounds reads (zero filled, no memory traffic) and are clipped from the stores. A TMA box holds
 up to 8 rows or a multiple of 8, so a batch of 9-63 that is not a multiple of 8 is padded with zero
 rows first and the output sliced back (one small XLA op each; ``_tma_rows``).
 
-No split of K and so no partial sums, counters or second pass: at tp1 the gate/up GEMM is
+At tp1 no split of K, and so no partial sums, counters or second pass: the gate/up GEMM is
 ``S_r / 64 = 96`` CTAs (each 64 gate and the matching 64 up rows, two accumulators) and the down GEMM
 ``H / 64 = 112`` CTAs, one wave each on 132 SMs. A weight read bound by HBM needs bytes in flight,
 not SMs: ``depth`` stages of ``2 * 64 * block_k`` bytes (gate/up: twice that) per CTA. The layout
-needs ``S_r`` and ``H`` multiples of 64, so it serves tp1 (tp8's 768 gate rows would be 12 CTAs).
+needs ``S_r`` and ``H`` multiples of 64.
 
 The epilogues run on the accumulator's registers: gate/up rounds gate and up to bfloat16 and applies
 ``reference.situ`` (the same float32 formula); down rounds to bfloat16. Each result tile is written
 through a transposed shared-memory view into ``[Bp, 64]`` and TMA-stored at columns ``64 * tile`` of
 the ``[B, .]`` output (rows past B clipped). Mosaic GPU in jax 0.11.2 stores a bfloat16 tile through
-a transposed view, not a float32 one, so the down kernel writes bfloat16 only (tp1's output; the
-float32 partial sums of tp > 1 stay on ``streaming``'s schedules).
+a transposed view, not a float32 one.
 
-Cost per call (bf16 = 2 bytes):
-  bytes = 2 * 2 * S_r * H + 2 * H * S_r    the two weights, each read once (264.2 MB at tp1): the bound
-        + 2 * Bp * H * S_r / rows           x re-read from L2 by every gate/up CTA (not HBM)
-        + 2 * Bp * S_r * H / rows           hidden re-read from L2 by every down CTA (not HBM)
+Split K (``split_k > 1``: tp8's 768 gate rows are 12 CTAs, so K is split 8-16 ways) and float32
+output (the partial sum under tp): the CTA ``(part, tile)`` stores its float32 accumulators, as they
+lie, into partials ``[split_k, parts, rows, Bp]``, and XLA sums them over ``split_k``, transposes and
+runs the epilogue (situ, or the cast) in one small fusion (``_partials``).
+
+Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the kernels' split_k where they hand XLA partials):
+  bytes = 2 * 2 * S_r * H + 2 * H * S_r    the two weights, each read once (264.2 MB at tp1, 33.0 MB
+                                            at tp8): the bound
+        + 2 * Bp * H * S_r / 64             x re-read from L2 by every gate/up CTA (not HBM)
+        + 2 * Bp * S_r * H / 64             hidden re-read from L2 by every down CTA (not HBM)
         + 2 * B * S_r + 2 * B * H           hidden and shared written
+        + 2 * 4 * Bp * (2 S_r s1 + H s2)    partials written and read back by XLA, where used
   FLOPs = 2 * Bp * 3 * S_r * H              on the tensor cores (Bp >= 8: 8x B's at B=1, free here)
 so a call is bound by the weight read: 56.8 us at tp1 at the H200's 4.65 TB/s.
 
@@ -74,12 +80,13 @@ they finish, so a ring of ``num_stages`` keeps ``num_stages - WGMMA_STEPS_IN_FLI
 ahead."""
 
 
-def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int):
+def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int, part=0):
     """The float32 accumulators ``[block_rows, bp]`` of the weight's row tiles ``first_tiles``
-    (counted in ``block_rows``) against ``x`` over all of K: ``num_stages`` TMA stages of ``block_k``
-    columns in flight."""
+    (counted in ``block_rows``) against ``x`` over K chunk ``part`` of ``split_k``: ``num_stages``
+    TMA stages of ``block_k`` columns in flight."""
     rows, block_k, depth = config.block_rows, config.block_k, config.num_stages
-    steps = x_gmem.shape[1] // block_k
+    steps = x_gmem.shape[1] // block_k // config.split_k
+    first_step = part * steps
     transforms = _transforms(block_k)
     parts = len(first_tiles)
 
@@ -93,11 +100,11 @@ def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int):
             plgpu.wgmma_wait(parts * WGMMA_STEPS_IN_FLIGHT)
 
         w_specs = [
-            plgpu.BlockSpec((rows, block_k), lambda k, t=t: (t, k), transforms=transforms,
+            plgpu.BlockSpec((rows, block_k), lambda k, t=t: (t, first_step + k), transforms=transforms,
                             delay_release=WGMMA_STEPS_IN_FLIGHT)
             for t in first_tiles
         ]
-        x_spec = plgpu.BlockSpec((bp, block_k), lambda k: (0, k), transforms=transforms,
+        x_spec = plgpu.BlockSpec((bp, block_k), lambda k: (0, first_step + k), transforms=transforms,
                                  delay_release=WGMMA_STEPS_IN_FLIGHT)
         plgpu.emit_pipeline(
             body, grid=(steps,), in_specs=[*w_specs, x_spec], max_concurrent_steps=depth
@@ -119,6 +126,40 @@ def _store_transposed(tile_t, out_gmem, column):
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(scope, plgpu.SMEM((bp, rows), jnp.bfloat16))
+
+
+def _store(tile, dst_gmem):
+    """A float32 ``[rows, bp]`` tile through shared memory, TMA-stored into ``dst_gmem``."""
+
+    def scope(smem):
+        smem[...] = tile
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, dst_gmem)
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scope, plgpu.SMEM(tile.shape, jnp.float32))
+
+
+def _partials(x, w, parts: int, config: GemmConfig, interpret: bool, name: str):
+    """Split-K (or float32-output) form of either kernel: CTA ``(part, tile)`` streams K chunk
+    ``part`` of the ``parts`` row blocks of ``tile`` (gate/up: its gate rows and the up rows
+    ``S_r`` below) and stores its float32 accumulators; XLA sums the ``[split_k, parts, rows / parts,
+    bp]`` partials and runs the epilogue (one small fusion)."""
+    rows = config.block_rows
+    bp, tiles = padded_batch(x.shape[0]), w.shape[0] // parts // rows
+
+    def kernel(x_gmem, w_gmem, out_gmem):
+        part, tile = lax.axis_index("part"), lax.axis_index("tile")
+        accs = _stream(x_gmem, w_gmem, tuple(tile + p * tiles for p in range(parts)), config, bp,
+                       part)
+        for p, acc in enumerate(accs):
+            _store(acc, out_gmem.at[part, p, pl.ds(tile * rows, rows)])
+
+    out = jax.ShapeDtypeStruct((config.split_k, parts, tiles * rows, bp), jnp.float32)
+    return plgpu.kernel(
+        kernel, out_type=out, grid=(config.split_k, tiles), grid_names=("part", "tile"),
+        interpret=_interpret_params(interpret), kernel_name=name,
+    )(x, w)
 
 
 def _check(x, w, rows: int, config: GemmConfig, name: str) -> None:
@@ -156,6 +197,10 @@ def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool)
     """Kernel 1 on ``_tma_rows(x)``: its rows of ``hidden``."""
     s_r = gate_up.shape[0] // 2
     rows = config.block_rows
+    if config.split_k > 1:
+        y = _partials(x, gate_up, 2, config, interpret, "shared_gate_up_tma_partials").sum(0)
+        gate, up = (y[p, :, : x.shape[0]].T.astype(jnp.bfloat16) for p in range(2))
+        return reference.situ(gate, up, beta, linear_beta)
     batch, bp, tiles = x.shape[0], padded_batch(x.shape[0]), s_r // rows
 
     def kernel(x_gmem, w_gmem, out_gmem):
@@ -172,9 +217,12 @@ def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool)
     )(x, gate_up)
 
 
-def _down(hidden, down, config: GemmConfig, interpret: bool):
+def _down(hidden, down, out_dtype, config: GemmConfig, interpret: bool):
     """Kernel 2 on ``_tma_rows(hidden)``: its rows of the product."""
     batch, rows, bp = hidden.shape[0], down.shape[0], padded_batch(hidden.shape[0])
+    if config.split_k > 1 or jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16):
+        y = _partials(hidden, down, 1, config, interpret, "shared_down_tma_partials").sum(0)[0]
+        return y[:, :batch].T.astype(out_dtype)
 
     def kernel(h_gmem, w_gmem, out_gmem):
         tile = lax.axis_index("tile")
@@ -197,18 +245,19 @@ def gate_up_situ(x, gate_up, beta: float, linear_beta: float, *, config: GemmCon
     return hidden[: x.shape[0]]
 
 
-def down_proj(hidden, down, *, config: GemmConfig, interpret: bool = False):
-    """Kernel 2: ``bf16(hidden @ down.T)`` ``[B, H]`` from ``hidden`` ``[B, S_r]`` and ``down``
-    ``[H, S_r]``, both bfloat16, float32 accumulation."""
+def down_proj(hidden, down, out_dtype=jnp.bfloat16, *, config: GemmConfig,
+              interpret: bool = False):
+    """Kernel 2: ``hidden @ down.T`` ``[B, H]`` in ``out_dtype`` from ``hidden`` ``[B, S_r]`` and
+    ``down`` ``[H, S_r]``, both bfloat16, float32 accumulation."""
     _check(hidden, down, down.shape[0], config, "down")
-    return _down(_tma_rows(hidden), down, config, interpret)[: hidden.shape[0]]
+    return _down(_tma_rows(hidden), down, out_dtype, config, interpret)[: hidden.shape[0]]
 
 
-def shared_expert(x, gate_up, down, beta: float, linear_beta: float, *, gate_up_config: GemmConfig,
-                  down_config: GemmConfig, interpret: bool = False):
-    """Both kernels: ``down_proj(gate_up_situ(x, ...), ...)`` ``[B, H]`` bfloat16, with ``hidden``
-    passed between them in the rows the TMA copies (one pad and one slice at most, not two)."""
+def shared_expert(x, gate_up, down, beta: float, linear_beta: float, out_dtype=jnp.bfloat16, *,
+                  gate_up_config: GemmConfig, down_config: GemmConfig, interpret: bool = False):
+    """Both kernels: ``down_proj(gate_up_situ(x, ...), ...)`` ``[B, H]`` in ``out_dtype``, with
+    ``hidden`` passed between them in the rows the TMA copies (one pad and one slice at most)."""
     _check(x, gate_up, gate_up.shape[0] // 2, gate_up_config, "gate_up")
     hidden = _gate_up(_tma_rows(x), gate_up, beta, linear_beta, gate_up_config, interpret)
     _check(hidden, down, down.shape[0], down_config, "down")
-    return _down(hidden, down, down_config, interpret)[: x.shape[0]]
+    return _down(hidden, down, out_dtype, down_config, interpret)[: x.shape[0]]

@@ -49,9 +49,10 @@ class GemmConfig:
         cores instead of a tensor-core dot (``vector_stream``), so no split (``split_k`` 1), no
         counters and no partials.
       tma: (keyword only) the Mosaic GPU schedule of ``shared_expert_tma`` (the shared expert's
-        kernels at ``B <= 64``): one warpgroup per 64 or 128 weight rows (``block_rows``) over all
-        of K, the weight streamed through a ring of ``num_stages`` TMA stages of ``block_k`` columns
-        into wgmma; so ``num_warps`` 4, ``split_k`` 1, no programs.
+        kernels at ``B <= 64``): one warpgroup per 64 weight rows (``block_rows``) over a
+        ``K / split_k`` chunk, the weight streamed through a ring of ``num_stages`` TMA stages of
+        ``block_k`` columns into wgmma; so ``num_warps`` 4, no programs. With ``split_k > 1`` XLA
+        sums the float32 partials and runs the epilogue.
     """
 
     block_rows: int
@@ -93,14 +94,13 @@ class GemmConfig:
                 f"the vector schedule streams all of K per program: {name}.programs must be 0, got "
                 f"{self.programs}"
             )
-        tma = (self.split_k, self.num_warps, self.programs, self.vector)
-        if self.tma and (tma != (1, TMA_WARPS, 0, False) or self.num_stages < 2
-                         or self.block_rows not in TMA_ROWS):
+        tma = (self.num_warps, self.programs, self.vector)
+        if self.tma and (tma != (TMA_WARPS, 0, False) or self.num_stages < 2
+                         or self.block_rows != TMA_ROWS):
             raise ValueError(
-                f"the TMA schedule is one warpgroup per {' or '.join(map(str, TMA_ROWS))} rows "
-                f"over all of K with a ring of >= 2 stages: {name}(block_rows, block_k, "
-                f"split_k=1, num_warps={TMA_WARPS}, num_stages>=2, programs=0, tma=True), got "
-                f"{self}"
+                f"the TMA schedule is one warpgroup per {TMA_ROWS} rows with a ring of >= 2 "
+                f"stages: {name}(block_rows={TMA_ROWS}, block_k, split_k, num_warps={TMA_WARPS}, "
+                f"num_stages>=2, programs=0, tma=True), got {self}"
             )
 
     def least_block_rows(self) -> int:
@@ -116,13 +116,14 @@ class GemmConfig:
             )
 
 
-TMA_ROWS = (64, 128)
-"""Weight rows a CTA of the TMA schedule may own (per part): one or two of a warpgroup's wgmma M."""
+TMA_ROWS = 64
+"""Weight rows per CTA (per part) of the TMA schedule: one warpgroup's wgmma M. (CTAs of 128 rows
+were slower at every batch at tp1: benchmarks/RESULTS.md, twelfth session.)"""
 TMA_WARPS = 4
 """The TMA schedule's CTA: one warpgroup."""
 TMA_MAX_BATCH = 64
-"""Largest batch of the TMA schedule: its gate/up accumulators take ``2 * block_rows * Bp / 128``
-float32 registers a thread (``Bp`` the batch rounded up to 8)."""
+"""Largest batch of the TMA schedule: its gate/up accumulators take ``2 * 64 * Bp / 128`` float32
+registers a thread (``Bp`` the batch rounded up to 8)."""
 
 VECTOR_MAX_BATCH = 8
 """Largest batch of the vector schedule: it keeps one ``[block_rows, block_k]`` float32 accumulator

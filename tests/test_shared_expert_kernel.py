@@ -172,21 +172,30 @@ def kernel_count(text: str) -> int:
 
 @pytest.mark.parametrize("tp", [1, 8])
 def test_lowers_for_h200_as_two_kernels(tp):
-    """Two kernels per call (Triton's, or the TMA schedule's Mosaic GPU ones where the table runs
-    it; plus zeroed counters where K is split); no XLA dot, cast or slice: gate and up never leave
-    the first kernel."""
+    """Two kernels per call with the table's schedules (Triton's, or the TMA schedule's Mosaic GPU
+    ones; plus zeroed counters where Triton splits K) and no XLA dot. Where both kernels finish
+    their own tiles, no XLA cast or slice either: gate and up never leave the first kernel. (The
+    TMA schedule hands XLA its float32 partials where it splits K, and the down's product where the
+    output is float32.)"""
     cfg = K3.with_tp(tp)
     s_r = cfg.shared_per_rank
     gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
     down = jnp.zeros((K3.hidden, s_r), jnp.bfloat16)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
     for batch in (1, 64, 256):
         x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
+        with jax.sharding.use_abstract_mesh(mesh):
+            c = se.pick_config(s_r, K3.hidden, batch)
         for out_dtype in (jnp.float32, jnp.bfloat16):
             fn = functools.partial(se.shared_expert, cfg=cfg, out_dtype=out_dtype)
             text = lower_for_h200(fn, x, gate_up, down)
             assert kernel_count(text) == 2, (tp, batch)
-            for op in ("stablehlo.convert", "stablehlo.slice", "stablehlo.dot_general"):
-                assert op not in text, (tp, batch, op)
+            assert "stablehlo.dot_general" not in text, (tp, batch)
+            partials = ((c.gate_up.tma and c.gate_up.split_k > 1)
+                        or (c.down.tma and (c.down.split_k > 1 or out_dtype == jnp.float32)))
+            if not partials:
+                for op in ("stablehlo.convert", "stablehlo.slice"):
+                    assert op not in text, (tp, batch, op)
 
 
 @pytest.mark.parametrize("tp", [1, 8])
@@ -270,18 +279,20 @@ def test_pick_config_uses_the_table_on_h200():
             table[key].down.check_divides(s_r, "S_r")
 
 
-TMA = functools.partial(G, 64, split_k=1, num_warps=4, tma=True)
-"""``TMA(block_k, num_stages)``: a TMA schedule (Mosaic GPU)."""
+TMA = functools.partial(G, 64, num_warps=4, tma=True)
+"""``TMA(block_k, split_k=, num_stages=)``: a TMA schedule (Mosaic GPU)."""
 
 
 # (batch, S_r, config): B = 1, 8 (at most 8 rows: one TMA box), 13 (padded to 16 and sliced back),
-# 24 (a multiple of 8); two and three CTAs of 64 gate rows, two of 128; rings of 2 to 4 stages.
+# 24 (a multiple of 8); two and three CTAs of 64 gate rows; rings of 2 to 4 stages; K
+# split 2 and 4 ways (XLA sums the partials and runs situ).
 @pytest.mark.parametrize("batch, s_r, config", [
-    (1, 128, TMA(64, num_stages=2)),
-    (8, 192, TMA(128, num_stages=2)),
-    (13, 128, TMA(64, num_stages=3)),
-    (24, 128, TMA(64, num_stages=4)),
-    (5, 256, G(128, 64, 1, 4, 3, tma=True)),
+    (1, 128, TMA(64, split_k=1, num_stages=2)),
+    (8, 192, TMA(128, split_k=1, num_stages=2)),
+    (13, 128, TMA(64, split_k=1, num_stages=3)),
+    (24, 128, TMA(64, split_k=1, num_stages=4)),
+    (1, 128, TMA(64, split_k=2, num_stages=2)),
+    (13, 64, TMA(32, split_k=4, num_stages=2)),
 ])
 def test_interpret_tma_gate_up_situ_matches_reference_exactly(batch, s_r, config):
     """The TMA gate/up in Mosaic GPU's interpret mode: bit for bit reference.situ of the exact
@@ -297,90 +308,92 @@ def test_interpret_tma_gate_up_situ_matches_reference_exactly(batch, s_r, config
     assert np.abs(np.asarray(hidden, np.float32)).max() > 1
 
 
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("batch, rows, depth, config", [
-    (3, 128, 256, TMA(64, num_stages=2)),
-    (16, 192, 128, TMA(128, num_stages=2)),
-    (21, 64, 512, TMA(128, num_stages=3)),
-    (2, 256, 128, G(128, 64, 1, 4, 2, tma=True)),
+    (3, 128, 256, TMA(64, split_k=1, num_stages=2)),
+    (16, 192, 128, TMA(128, split_k=1, num_stages=2)),
+    (21, 64, 512, TMA(128, split_k=1, num_stages=3)),
+    (9, 128, 512, TMA(64, split_k=4, num_stages=2)),
 ])
-def test_interpret_tma_down_matches_float64_exactly(batch, rows, depth, config):
-    """The TMA down (bfloat16 out) on small-integer operands, whose float32 product is exact."""
+def test_interpret_tma_down_matches_float64_exactly(out_dtype, batch, rows, depth, config):
+    """The TMA down on small-integer operands, whose float32 product is exact: bfloat16 from the
+    kernel's epilogue, float32 (a partial sum under tp) and split K through the partials."""
     rng = np.random.default_rng(batch)
     h = jnp.asarray(rng.integers(-8, 9, (batch, depth)), jnp.bfloat16)
     d = rng.integers(-3, 4, (rows, depth)) * np.exp2(rng.integers(-6, 7, (rows, 1)))
     d = jnp.asarray(d, jnp.bfloat16)
-    got = jax.jit(lambda h, d: se.down_proj(h, d, interpret=True, config=config))(h, d)
-    want = np.asarray(h, np.float64) @ np.asarray(d, np.float64).T
-    assert got.dtype == jnp.bfloat16 and got.shape == (batch, rows)
+    got = jax.jit(lambda h, d: se.down_proj(h, d, out_dtype, interpret=True, config=config))(h, d)
+    want = (np.asarray(h, np.float64) @ np.asarray(d, np.float64).T).astype(np.float32)
+    assert got.dtype == out_dtype and got.shape == (batch, rows)
     np.testing.assert_array_equal(np.asarray(got, np.float32),
-                                  want.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32))
+                                  want.astype(out_dtype).astype(np.float32))
 
 
-@pytest.mark.parametrize("batch", [1, 37])
-def test_interpret_tma_shared_expert_matches_reference_and_float64(batch):
-    """Both kernels on the TMA schedule (the table's choice at tp1), one call: B=37 passes ``hidden``
-    between them in its 40 padded rows."""
+@pytest.mark.parametrize("batch, split_k, out_dtype", [
+    (1, 1, jnp.bfloat16), (37, 1, jnp.bfloat16), (3, 2, jnp.float32)])
+def test_interpret_tma_shared_expert_matches_reference_and_float64(batch, split_k, out_dtype):
+    """Both kernels on the TMA schedule, one call: at tp1 (B=37 passes ``hidden`` between them in
+    its 40 padded rows), and K split with a float32 partial sum, as at tp8."""
     cfg = dataclasses.replace(K3, hidden=SMALL_HIDDEN, shared=256)
     _, gate_up, down = rank_slices(mf.init_weights(jax.random.key(1), cfg), cfg, 0,
                                    cfg.experts_per_rank)
     x = jax.random.normal(jax.random.key(batch), (batch, SMALL_HIDDEN)).astype(jnp.bfloat16)
-    config = se.SharedExpertConfig(TMA(64, num_stages=3), TMA(128, num_stages=2))
-    got = jax.jit(lambda x, g, d: se.shared_expert(x, g, d, cfg, interpret=True, config=config))(
-        x, gate_up, down)
-    assert got.dtype == jnp.bfloat16 and got.shape == (batch, SMALL_HIDDEN)
+    config = se.SharedExpertConfig(TMA(64, split_k=split_k, num_stages=2),
+                                   TMA(128, split_k=split_k, num_stages=2))
+    got = jax.jit(lambda x, g, d: se.shared_expert(x, g, d, cfg, out_dtype, interpret=True,
+                                                   config=config))(x, gate_up, down)
+    assert got.dtype == out_dtype and got.shape == (batch, SMALL_HIDDEN)
     assert_close_to_float64(got, reference.shared_expert(x, gate_up, down, cfg), 2.0**-6)
     assert_close_to_float64(got, oracle.shared_expert(x, gate_up, down), 1e-2)
 
 
 def test_tma_schedule_lowers_for_h200_as_two_mosaic_kernels():
     """At K3's tp1 shapes: two Mosaic GPU kernels and no XLA dot; at B=37, not a multiple of 8, one
-    pad of ``x`` and one slice of the output beside them; a float32 output (a partial sum) keeps the
-    TMA gate/up and takes the heuristic's Triton down."""
-    s_r = K3.shared_per_rank
-    gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
-    down = jnp.zeros((K3.hidden, s_r), jnp.bfloat16)
-    config = se.SharedExpertConfig(TMA(128, num_stages=4), TMA(128, num_stages=6))  # tp1 B=64's
-    for batch in (1, 8, 37, 64):
-        x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
-        fn = functools.partial(se.shared_expert, cfg=K3, config=config)
-        text = lower_for_h200(fn, x, gate_up, down)
-        assert text.count("@mosaic_gpu_v2") == 2 and "triton" not in text, batch
-        assert "stablehlo.dot_general" not in text
-        assert (text.count("stablehlo.pad"), text.count("stablehlo.slice")) == (
-            (1, 1) if batch == 37 else (0, 0)), batch
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
-    with jax.sharding.use_abstract_mesh(mesh):
-        picked = se.pick_config(s_r, K3.hidden, 1, jnp.float32)
-    assert picked.gate_up.tma and not picked.down.tma, picked
-    text = lower_for_h200(functools.partial(se.shared_expert, cfg=K3, out_dtype=jnp.float32),
-                          jnp.zeros((1, K3.hidden), jnp.bfloat16), gate_up, down)
-    assert (text.count("@mosaic_gpu_v2"), text.count("__gpu$xla.gpu.triton")) == (1, 1)
+    pad of ``x`` and one slice of the output beside them. At tp8's, K split 14 ways and the float32
+    partial sum: the same two kernels, XLA summing their partials (no dot either)."""
+    for tp, config, out_dtype in (
+        (1, se.SharedExpertConfig(TMA(128, split_k=1, num_stages=4),
+                                  TMA(128, split_k=1, num_stages=6)), jnp.bfloat16),  # tp1 B=64's
+        (8, se.SharedExpertConfig(TMA(64, split_k=14, num_stages=4),
+                                  TMA(64, split_k=1, num_stages=6)), jnp.float32),
+    ):
+        s_r = K3.with_tp(tp).shared_per_rank
+        gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
+        down = jnp.zeros((K3.hidden, s_r), jnp.bfloat16)
+        for batch in (1, 8, 37, 64):
+            x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
+            fn = functools.partial(se.shared_expert, cfg=K3.with_tp(tp), out_dtype=out_dtype,
+                                   config=config)
+            text = lower_for_h200(fn, x, gate_up, down)
+            assert text.count("@mosaic_gpu_v2") == 2 and "triton" not in text, (tp, batch)
+            assert "stablehlo.dot_general" not in text, (tp, batch)
+            if tp == 1:
+                assert (text.count("stablehlo.pad"), text.count("stablehlo.slice")) == (
+                    (1, 1) if batch == 37 else (0, 0)), batch
 
 
 def test_tma_config_and_request_errors():
-    """A TMA schedule is 64 or 128 rows, one warpgroup, no split, two stages or more; a request it
-    does not cover is a NotImplementedError that says so."""
-    for bad in (dict(block_rows=32), dict(split_k=2), dict(num_warps=8), dict(num_stages=1),
-                dict(programs=132)):
+    """A TMA schedule is 64 rows, one warpgroup, two stages or more; a request it does not cover is
+    a NotImplementedError that says so."""
+    for bad in (dict(block_rows=128), dict(num_warps=8), dict(num_stages=1), dict(programs=132)):
         args = dict(block_rows=64, block_k=128, split_k=1, num_warps=4, num_stages=4) | bad
-        with pytest.raises(ValueError, match="the TMA schedule is one warpgroup per 64 or 128 rows"):
+        with pytest.raises(ValueError, match="the TMA schedule is one warpgroup per 64 rows"):
             G(**args, tma=True)
     with pytest.raises(ValueError, match="GemmConfig.tma must be a bool, got 1"):
         G(64, 128, 1, 4, 4, tma=1)
-    entry = {"gate_up": dataclasses.asdict(TMA(128, num_stages=4)),
+    entry = {"gate_up": dataclasses.asdict(TMA(128, split_k=1, num_stages=4)),
              "down": dataclasses.asdict(G(64, 64, 2, 4, 6))}
     config = se.SharedExpertConfig.from_json(entry)
     assert (config.gate_up.tma, config.down.tma) == (True, False)
     x, h = jnp.zeros((65, 256), jnp.bfloat16), jnp.zeros((2, 128), jnp.bfloat16)
-    two_stages = TMA(64, num_stages=2)
+    two_stages = TMA(64, split_k=1, num_stages=2)
     with pytest.raises(NotImplementedError, match="covers B <= 64, got B=65"):
         se.gate_up_situ(x, jnp.zeros((256, 256), jnp.bfloat16), 4.0, 25.0, config=two_stages)
     with pytest.raises(NotImplementedError, match="rows a multiple of block_rows=64, got 96"):
         se.gate_up_situ(x[:2], jnp.zeros((192, 256), jnp.bfloat16), 4.0, 25.0, config=two_stages)
-    with pytest.raises(NotImplementedError, match="writes bfloat16 .* not float32"):
-        se.down_proj(h, jnp.zeros((64, 128), jnp.bfloat16), jnp.float32, config=two_stages)
     with pytest.raises(ValueError, match="needs K divisible by split_k \\* block_k = 256"):
-        se.down_proj(h, jnp.zeros((64, 128), jnp.bfloat16), config=TMA(256, num_stages=2))
+        se.down_proj(h, jnp.zeros((64, 128), jnp.bfloat16), config=TMA(128, split_k=2,
+                                                                        num_stages=2))
 
 
 def test_errors():
@@ -452,14 +465,20 @@ def test_gpu_vector_schedule_matches_float64(tp):
 
 
 @pytest.mark.gpu
-def test_gpu_tma_schedule_matches_float64():
-    """The TMA schedule (tp1, bfloat16 out) at batches below, between and at its multiples of 8 and
-    its largest, to the same bound."""
-    _, gate_up, down = rank_slices(k3_weights(), K3, 0, K3.experts_per_rank)
-    config = se.SharedExpertConfig(G(64, 128, 1, 4, 4, tma=True), G(64, 128, 1, 4, 6, tma=True))
+@pytest.mark.parametrize("tp", [1, 8])
+def test_gpu_tma_schedule_matches_float64(tp):
+    """The TMA schedule (tp1: bfloat16 out; tp8: K split 14 ways, the float32 partial) at batches
+    below, between and at its multiples of 8 and its largest, to the same bound."""
+    cfg = K3.with_tp(tp)
+    _, gate_up, down = rank_slices(k3_weights(), cfg, tp - 1, cfg.experts_per_rank)
+    out_dtype = jnp.bfloat16 if tp == 1 else jnp.float32
+    config = (se.SharedExpertConfig(G(64, 128, 1, 4, 4, tma=True), G(64, 128, 1, 4, 6, tma=True))
+              if tp == 1 else
+              se.SharedExpertConfig(G(64, 64, 14, 4, 4, tma=True), G(64, 128, 1, 4, 3, tma=True)))
     for batch in (1, 7, 16, 37, 64):
         x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
         want = oracle.shared_expert(x, gate_up, down)
-        got = jax.jit(lambda x, g, d: se.shared_expert(x, g, d, K3, config=config))(x, gate_up, down)
-        assert got.dtype == jnp.bfloat16 and got.shape == (batch, K3.hidden)
+        got = jax.jit(lambda x, g, d: se.shared_expert(x, g, d, cfg, out_dtype, config=config))(
+            x, gate_up, down)
+        assert got.dtype == out_dtype and got.shape == (batch, K3.hidden)
         assert_close_to_float64(got, want, 1e-2)
