@@ -128,16 +128,21 @@ def _store_transposed(tile_t, out_gmem, column):
     pl.run_scoped(scope, plgpu.SMEM((bp, rows), jnp.bfloat16))
 
 
-def _store(tile, dst_gmem):
-    """A float32 ``[rows, bp]`` tile through shared memory, TMA-stored into ``dst_gmem``."""
+def _store_partials(tiles, dst_gmem):
+    """The float32 ``[rows, bp]`` tiles through one shared-memory buffer, TMA-stored into
+    ``dst_gmem`` ``[len(tiles), rows, bp]``. One buffer, not one per tile: a TMA store is waited
+    for by the thread that issued it alone, so a second buffer in the first one's place could be
+    overwritten by the other threads while the copy engine still reads it."""
 
     def scope(smem):
-        smem[...] = tile
+        for i, tile in enumerate(tiles):
+            smem.at[i][...] = tile
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem, dst_gmem)
+        for i in range(len(tiles)):
+            plgpu.copy_smem_to_gmem(smem.at[i], dst_gmem.at[i])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(scope, plgpu.SMEM(tile.shape, jnp.float32))
+    pl.run_scoped(scope, plgpu.SMEM((len(tiles), *tiles[0].shape), jnp.float32))
 
 
 def _partials(x, w, parts: int, config: GemmConfig, interpret: bool, name: str):
@@ -152,8 +157,7 @@ def _partials(x, w, parts: int, config: GemmConfig, interpret: bool, name: str):
         part, tile = lax.axis_index("part"), lax.axis_index("tile")
         accs = _stream(x_gmem, w_gmem, tuple(tile + p * tiles for p in range(parts)), config, bp,
                        part)
-        for p, acc in enumerate(accs):
-            _store(acc, out_gmem.at[part, p, pl.ds(tile * rows, rows)])
+        _store_partials(accs, out_gmem.at[part, :, pl.ds(tile * rows, rows)])
 
     out = jax.ShapeDtypeStruct((config.split_k, parts, tiles * rows, bp), jnp.float32)
     return plgpu.kernel(
