@@ -65,13 +65,14 @@ Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the two kernels' split_k, their pa
 so the arithmetic intensity is about B FLOP/byte: memory-bound for decode batches; the floor on an
 H200 is the weight bytes over the HBM read bandwidth (56.8 us at tp1, 7.1 us at tp8 at 4.65 TB/s).
 
-Measured on the H200 (2026-12-04, twelfth session's run 2, tuned table, CUPTI, weights rotated;
-benchmarks/RESULTS.md): tp1 B=1/8/16/64 64.8/63.8/66.2/69.0 us (4.08/4.14/3.99/3.83 TB/s) on the
-TMA schedule against XLA's 72.0/70.8/73.3/86.5 (the Triton schedules' best took 68.0/69.1/69.4/83.8
-in the eleventh session); tp8 B=1/8/16/64 12.4/16.8/16.4/21.7 us against 15.7/15.5/17.4/19.3. The
-table runs the TMA schedule for both kernels at tp1 (B = 1-64), the vector gate/up at tp8 B=1-4 and
-the tensor-core grid elsewhere at tp8. ``"auto"`` runs these kernels where they measured faster
-(``auto_prefers_kernel``): at tp1 for B <= 64 and at tp8 B <= 2. Both GEMMs in one launch (a
+Measured on the H200 (2026-12-04, twelfth session's run 8, tuned table, CUPTI, weights rotated;
+benchmarks/RESULTS.md): tp1 B=1/8/16/64 65.6/63.9/66.5/68.9 us (4.03/4.14/3.97/3.83 TB/s) on the
+TMA schedule against XLA's 72.0/69.5/72.4/83.1 (the Triton schedules' best took 68.0/69.1/69.4/83.8
+in the eleventh session); tp8 B=1/8/16/64 12.4/14.5/14.9/17.9 us against 15.1/15.6/17.8/20.8. The
+table runs the TMA schedule for both kernels at tp1 (B = 1-64), the vector gate/up at tp8 B=1-2,
+the TMA gate/up (K split 8 ways) at tp8 B=4-64 and the tensor-core down at tp8. ``"auto"`` runs
+these kernels where they measured faster in every run (``auto_prefers_kernel``): at tp1 and tp8 for
+B <= 64, but tp8 B=8 (1.03x in one of its two runs). Both GEMMs in one launch (a
 ticket per program's work, the down programs waiting for ``hidden``) was slower at every shape
 measured, in the fifth session and again in the eleventh (RESULTS.md): the two kernels stay.
 """
