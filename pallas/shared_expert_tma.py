@@ -102,12 +102,12 @@ def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int, part=0):
             plgpu.wgmma_wait(parts * WGMMA_STEPS_IN_FLIGHT)
 
         w_specs = [
-            plgpu.BlockSpec((rows, block_k), lambda k, t=t: (t, first_step + k), transforms=transforms,
-                            delay_release=WGMMA_STEPS_IN_FLIGHT)
+            plgpu.BlockSpec((rows, block_k), lambda k, t=t: (t, first_step + k),
+                            transforms=transforms, delay_release=WGMMA_STEPS_IN_FLIGHT)
             for t in first_tiles
         ]
-        x_spec = plgpu.BlockSpec((bp, block_k), lambda k: (0, first_step + k), transforms=transforms,
-                                 delay_release=WGMMA_STEPS_IN_FLIGHT)
+        x_spec = plgpu.BlockSpec((bp, block_k), lambda k: (0, first_step + k),
+                                 transforms=transforms, delay_release=WGMMA_STEPS_IN_FLIGHT)
         plgpu.emit_pipeline(
             body, grid=(steps,), in_specs=[*w_specs, x_spec], max_concurrent_steps=depth
         )(*[w_gmem] * parts, x_gmem)
@@ -132,9 +132,8 @@ def _store_transposed(tile_t, out_gmem, column):
 
 def _store_partials(tiles, dst_gmem):
     """The float32 ``[rows, bp]`` tiles through one shared-memory buffer, TMA-stored into
-    ``dst_gmem`` ``[len(tiles), rows, bp]``. One buffer, not one per tile: a TMA store is waited
-    for by the thread that issued it alone, so a second buffer in the first one's place could be
-    overwritten by the other threads while the copy engine still reads it."""
+    ``dst_gmem`` ``[len(tiles), rows, bp]``: every tile is written before any copy starts, so no
+    shared memory is rewritten while a copy may still read it."""
 
     def scope(smem):
         for i, tile in enumerate(tiles):
