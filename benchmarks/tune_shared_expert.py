@@ -63,7 +63,7 @@ def out_dtype(tp: int):
 
 XLA = {
     "gate_up": lambda tp: lambda x, w: reference.situ(
-        *(y.astype(jnp.bfloat16) for y in jnp.split(xla_dot(x, w), 2, axis=1)), 4.0, 25.0),
+        *(reference.round_to_bfloat16(y) for y in jnp.split(xla_dot(x, w), 2, axis=1)), 4.0, 25.0),
     "down": lambda tp: lambda h, w: xla_dot(h, w).astype(out_dtype(tp)),
 }
 """Each kernel's XLA counterpart at a tp: the check's reference, and timed beside the candidates."""

@@ -179,6 +179,17 @@ def mxfp8_plan(latent: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array
     return values, scales
 
 
+def round_to_bfloat16(y: jax.Array) -> jax.Array:
+    """Float32 ``y`` rounded to bfloat16 (nearest even), rounded for good.
+
+    A plain cast is not enough where the value is upcast again in the same XLA fusion (situ's first
+    step): XLA's excess precision (on by default) may drop that float32 -> bfloat16 -> float32 round
+    trip, and the activation then sees unrounded values (seen on the H200 in the TMA schedule's
+    split-K epilogue: a third of ``hidden`` 1 ulp off). ``lax.reduce_precision`` is kept.
+    """
+    return lax.reduce_precision(y, exponent_bits=8, mantissa_bits=7).astype(jnp.bfloat16)
+
+
 def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax.Array:
     """Shared-expert activation on bfloat16 ``gate`` and ``up`` (SPEC section 6), bfloat16 out.
 
@@ -212,7 +223,7 @@ def shared_expert(
     """
     s_r = gate_up.shape[0] // 2
     h = lax.dot_general(x, gate_up, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    gate, up = h[:, :s_r].astype(jnp.bfloat16), h[:, s_r:].astype(jnp.bfloat16)
+    gate, up = round_to_bfloat16(h[:, :s_r]), round_to_bfloat16(h[:, s_r:])
     hidden = situ(gate, up, cfg.situ_beta, cfg.linear_beta)
     out = lax.dot_general(hidden, down, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return out.astype(out_dtype)

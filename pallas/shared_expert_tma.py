@@ -204,11 +204,7 @@ def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool)
     rows = config.block_rows
     if config.split_k > 1:
         y = _partials(x, gate_up, 2, config, interpret, "shared_gate_up_tma_partials").sum(0)
-        # Rounded by reduce_precision, not by the cast alone: XLA may drop a float32 -> bfloat16 ->
-        # float32 round trip inside one fusion (excess precision, on by default), and situ must see
-        # gate and up rounded to bfloat16 (SPEC 6). Seen on the H200: a third of hidden 1 ulp off.
-        gate, up = (lax.reduce_precision(y[p, :, : x.shape[0]].T, exponent_bits=8, mantissa_bits=7)
-                    .astype(jnp.bfloat16) for p in range(2))
+        gate, up = (reference.round_to_bfloat16(y[p, :, : x.shape[0]].T) for p in range(2))
         return reference.situ(gate, up, beta, linear_beta)
     batch, bp, tiles = x.shape[0], padded_batch(x.shape[0]), s_r // rows
 

@@ -350,7 +350,8 @@ def test_interpret_tma_shared_expert_matches_reference_and_float64(batch, split_
 def test_tma_schedule_lowers_for_h200_as_two_mosaic_kernels():
     """At K3's tp1 shapes: two Mosaic GPU kernels and no XLA dot; at B=37, not a multiple of 8, one
     pad of ``x`` and one slice of the output beside them. At tp8's, K split 14 ways and the float32
-    partial sum: the same two kernels, XLA summing their partials (no dot either)."""
+    partial sum: the same two kernels, XLA summing their partials (no dot either) and rounding gate
+    and up with ``reduce_precision`` (``reference.round_to_bfloat16``)."""
     for tp, config, out_dtype in (
         (1, se.SharedExpertConfig(TMA(128, split_k=1, num_stages=4),
                                   TMA(128, split_k=1, num_stages=6)), jnp.bfloat16),  # tp1 B=64's
@@ -367,6 +368,8 @@ def test_tma_schedule_lowers_for_h200_as_two_mosaic_kernels():
             text = lower_for_h200(fn, x, gate_up, down)
             assert text.count("@mosaic_gpu_v2") == 2 and "triton" not in text, (tp, batch)
             assert "stablehlo.dot_general" not in text, (tp, batch)
+            # XLA's split-K epilogue rounds gate and up where no fusion can drop it (tp8 only).
+            assert text.count("stablehlo.reduce_precision") == (2 if tp == 8 else 0), (tp, batch)
             if tp == 1:
                 assert (text.count("stablehlo.pad"), text.count("stablehlo.slice")) == (
                     (1, 1) if batch == 37 else (0, 0)), batch
