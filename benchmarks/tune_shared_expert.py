@@ -37,6 +37,7 @@ import numpy as np
 
 from moe_front_jax import reference
 from moe_front_jax.pallas import shared_expert as se
+from moe_front_jax.pallas import shared_expert_tma
 from moe_front_jax.pallas.streaming import (
     TMA_MAX_BATCH,
     TMA_ROWS,
@@ -135,7 +136,7 @@ def tma_candidates(row_count: int, k: int, parts: int, batch: int, cores: int = 
     fit the shared memory budget (``parts`` weight blocks and the ``x`` block per stage)."""
     if batch > TMA_MAX_BATCH or row_count % TMA_ROWS:
         return []
-    bp, tiles = -(-batch // 8) * 8, row_count // TMA_ROWS
+    bp, tiles = shared_expert_tma.padded_batch(batch), row_count // TMA_ROWS
     out = []
     for bk in (64, 128, 256):
         if k % bk:
