@@ -9,9 +9,10 @@ B <= 64):
 Each CTA is one warpgroup that streams its weight rows over its ``K / split_k`` chunk (all of K at
 tp1) through ``emit_pipeline``'s ring of ``depth`` TMA stages of ``block_k`` columns: the copy
 engine keeps up to ``depth`` stages of the weight in flight per SM with no thread issuing loads,
-which is what a weight read at the HBM rate needs (``streaming``'s Triton schedules hold their bytes in flight in registers). The weight tile is
-wgmma's M operand and the batch, padded to ``Bp`` (a multiple of 8), its N: the float32 accumulator
-is the transposed output tile ``[64, Bp]``, one warpgroup's registers. Batch rows past B are TMA
+which is what a weight read at the HBM rate needs (``streaming``'s Triton schedules hold their
+bytes in flight in registers). The weight tile is wgmma's M operand and the batch, padded to ``Bp``
+(a multiple of 8), its N: the float32 accumulator is the transposed output tile ``[64, Bp]``, one
+warpgroup's registers. Batch rows past B are TMA
 out-of-bounds reads (zero filled, no memory traffic) and are clipped from the stores. A TMA box holds
 up to 8 rows or a multiple of 8, so a batch of 9-63 that is not a multiple of 8 is padded with zero
 rows first and the output sliced back (one small XLA op each; ``_tma_rows``).
