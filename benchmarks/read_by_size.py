@@ -1,11 +1,11 @@
 """How fast one kernel can read each weight this front reads, beside the front GEMM at B = 1.
 
-  python benchmarks/read_by_size.py --out $OUT
+  python benchmarks/read_by_size.py --out $OUT [--shared-only]
 
 GPU.md's read ceiling (4.65 TB/s) is a bfloat16 sum over 2 GiB. The front's weights are 8-264 MB,
 read once per call, where a kernel's start and tail weigh more. For each weight (the front GEMM's
 rows at tp 1, 2, 4, 8: router and latent rows, no padding; the shared expert's gate/up and down at
-tp 1 and 8) this times, with CUPTI over copies rotated past the L2, the plainest reads XLA has:
+tp 1 and 8, and both together, the bytes a call must read) this times, with CUPTI over copies rotated past the L2, the plainest reads XLA has:
 ``jnp.sum(w, axis=1, dtype=float32)`` (one float32 per row written) and ``jnp.sum(w,
 dtype=float32)`` (a scalar); and, on the front's weights, the front GEMM at B = 1 with its tuned
 schedule and XLA's ``dot_general``. The table prints last; the results go to $OUT/read_by_size.json.
@@ -40,12 +40,14 @@ def full_sum(x, w):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--shared-only", action="store_true",
+                        help="only the shared expert's weights (not the front's)")
     args = parser.parse_args()
     device = jax.devices()[0]
     print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)
     x = decode_rows(1, 7168)
     rows = []
-    for tp in (1, 2, 4, 8):
+    for tp in () if args.shared_only else (1, 2, 4, 8):
         s = Shape.k3(tp)
         packed = packed_weights(s)
         # The rows a kernel must read (router and latent rows): the weight bytes of the floor.
@@ -63,7 +65,8 @@ def main() -> None:
     for tp in (1, 8):
         s = SharedShape.k3(tp)
         for name, shape, nbytes in (("gate_up", (2 * s.shared, s.hidden), s.gate_up_bytes),
-                                    ("down", (s.hidden, s.shared), s.down_bytes)):
+                                    ("down", (s.hidden, s.shared), s.down_bytes),
+                                    ("both", (3 * s.shared, s.hidden), s.weight_bytes)):
             weights = random_copies(shape, shape[1], nbytes, seed=tp)
             row = dict(weight=f"shared {name} tp{tp}", mb=nbytes / 1e6)
             for kind, fn in (("row_sum", row_sum), ("full_sum", full_sum)):

@@ -210,12 +210,14 @@ def auto_prefers_kernel(x, gate_up, down, cfg, out_dtype=jnp.bfloat16) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """Static shapes of one GEMM of a call: ``rows`` output rows (per part) over K = ``depth``."""
+    """Static shapes of one GEMM of a call: ``rows`` output rows (per part) over K = ``depth``;
+    ``x_t``: ``x`` comes transposed, ``[depth, batch_tile]``, its columns past ``batch`` zero."""
 
     batch: int
     depth: int
     rows: int
     config: GemmConfig
+    x_t: bool = False
 
     @property
     def batch_tile(self) -> int:
@@ -235,15 +237,20 @@ def _stream(x_ref, w_ref, first_rows, g: Geometry, rows_mask, batch_mask, step_l
     starting at each of ``first_rows`` with ``x``, over ``steps`` K steps from step ``step_lo``."""
     bn, bp, bk = g.config.block_rows, g.batch_tile, g.config.block_k
 
+    x_axis = 0 if g.x_t else 1  # x's K axis
+
     def step(i, accs):
         k = pl.multiple_of((step_lo + i) * bk, bk)
-        xs = masked_load(x_ref.at[pl.ds(0, bp), pl.ds(k, bk)], batch_mask)
+        if g.x_t:
+            xs = plgpu.load(x_ref.at[pl.ds(k, bk), pl.ds(0, bp)])
+        else:
+            xs = masked_load(x_ref.at[pl.ds(0, bp), pl.ds(k, bk)], batch_mask)
         out = []
         for acc, first in zip(accs, first_rows):
             # The weight is read once per call: first out of L2, so x and the partials stay.
             w = masked_load(w_ref.at[pl.ds(first, bn), pl.ds(k, bk)], rows_mask, "evict_first")
             out.append(acc + lax.dot_general(
-                w, xs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                w, xs, (((1,), (x_axis,)), ((), ())), preferred_element_type=jnp.float32
             ))
         return tuple(out)
 
@@ -261,7 +268,7 @@ def _tile(g: Geometry, situ, tile):
     row_ok = (first_row + lax.broadcasted_iota(jnp.int32, (bn, 1), 0)) < g.rows
     batch_ok = lax.broadcasted_iota(jnp.int32, (bp, 1), 0) < g.batch
     rows_mask = row_ok if g.rows % bn else None
-    batch_mask = batch_ok if g.batch < bp else None
+    batch_mask = batch_ok if g.batch < bp and not g.x_t else None
     first_rows = (first_row, first_row + g.rows) if situ else (first_row,)
     return first_row, row_ok, batch_ok, first_rows, rows_mask, batch_mask
 
@@ -340,14 +347,19 @@ def _vector_kernel(x_ref, w_ref, out_ref, *, geometry: Geometry, situ, out_dtype
                     mask=row_ok if ragged else None)
 
 
-def _gemm(x, w, rows, out_dtype, config, situ, interpret, name):
-    batch, depth = x.shape
+def _gemm(x, w, rows, out_dtype, config, situ, interpret, name, batch_t=None):
+    """Either kernel on ``config``'s schedule; ``batch_t``: ``x`` is given transposed (``[K, Bp]``,
+    columns past ``batch_t`` zero; grid and stream-K schedules)."""
+    x_t = batch_t is not None
+    batch, depth = (batch_t, x.shape[0]) if x_t else x.shape
+    if x_t and (config.tma or config.vector):
+        raise ValueError(f"a transposed hidden needs a grid or stream-K schedule, got {config}")
     if config.tma:
         if situ:
             return shared_expert_tma.gate_up_situ(x, w, *situ, config=config, interpret=interpret)
         return shared_expert_tma.down_proj(x, w, out_dtype, config=config, interpret=interpret)
     config.check_divides(depth, "K")
-    g = Geometry(batch, depth, rows, config)
+    g = Geometry(batch, depth, rows, config, x_t)
     if config.vector:
         if batch > VECTOR_MAX_BATCH:
             raise ValueError(f"the vector schedule {config} covers B <= {VECTOR_MAX_BATCH}, got "
@@ -453,6 +465,23 @@ def down_proj(
                  "shared_down")
 
 
+def down_proj_t(
+    hidden_t: jax.Array,
+    down: jax.Array,
+    batch: int,
+    out_dtype: jnp.dtype = jnp.bfloat16,
+    *,
+    interpret: bool = False,
+    config: GemmConfig,
+) -> jax.Array:
+    """Kernel 2 on ``hidden`` given transposed: ``hidden_t`` ``[S_r, Bp]`` bfloat16 (Bp = B rounded
+    up to 8, columns past ``batch`` zero), as the TMA gate/up with K split leaves it
+    (``shared_expert_tma.gate_up_situ_t``); ``[batch, H]`` in ``out_dtype``. Grid and stream-K
+    schedules only."""
+    return _gemm(hidden_t, down, down.shape[0], jnp.dtype(out_dtype), config, None, interpret,
+                 "shared_down", batch_t=batch)
+
+
 def shared_expert(
     x: jax.Array,
     gate_up: jax.Array,
@@ -497,6 +526,13 @@ def shared_expert(
             x, gate_up, down, cfg.situ_beta, cfg.linear_beta, out_dtype,
             gate_up_config=config.gate_up, down_config=config.down, interpret=interpret,
         )
+    if config.gate_up.tma and config.gate_up.split_k > 1 and not config.down.vector:
+        # hidden stays in the layout of the TMA kernel's partials (the batch minor): one XLA
+        # fusion between the kernels instead of two.
+        h_t = shared_expert_tma.gate_up_situ_t(x, gate_up, cfg.situ_beta, cfg.linear_beta,
+                                               config=config.gate_up, interpret=interpret)
+        return down_proj_t(h_t, down, x.shape[0], out_dtype, interpret=interpret,
+                           config=config.down)
     h = gate_up_situ(
         x, gate_up, cfg.situ_beta, cfg.linear_beta, interpret=interpret, config=config.gate_up
     )

@@ -199,14 +199,22 @@ def _interpret_params(interpret: bool):
     return plgpu.InterpretGPUParams() if interpret else None
 
 
+def _hidden_t(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool):
+    """Kernel 1 with K split, on ``_tma_rows(x)``: ``hidden.T`` ``[S_r, Bp]``, the layout the
+    partials lie in (the batch minor), so that XLA's sum over the splits, rounding and situ are one
+    fusion (a transpose to ``[B, S_r]`` makes it two, 1.0-1.4 us more at tp8: thirteenth session).
+    Columns past B are ``situ(0, 0) = 0``."""
+    y = _partials(x, gate_up, 2, config, interpret, "shared_gate_up_tma_partials").sum(0)
+    gate, up = (reference.round_to_bfloat16(y[p]) for p in range(2))
+    return reference.situ(gate, up, beta, linear_beta)
+
+
 def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool):
     """Kernel 1 on ``_tma_rows(x)``: its rows of ``hidden``."""
     s_r = gate_up.shape[0] // 2
     rows = config.block_rows
     if config.split_k > 1:
-        y = _partials(x, gate_up, 2, config, interpret, "shared_gate_up_tma_partials").sum(0)
-        gate, up = (reference.round_to_bfloat16(y[p, :, : x.shape[0]].T) for p in range(2))
-        return reference.situ(gate, up, beta, linear_beta)
+        return _hidden_t(x, gate_up, beta, linear_beta, config, interpret)[:, : x.shape[0]].T
     batch, bp, tiles = x.shape[0], padded_batch(x.shape[0]), s_r // rows
 
     def kernel(x_gmem, w_gmem, out_gmem):
@@ -249,6 +257,18 @@ def gate_up_situ(x, gate_up, beta: float, linear_beta: float, *, config: GemmCon
     _check(x, gate_up, gate_up.shape[0] // 2, config, "gate_up")
     hidden = _gate_up(_tma_rows(x), gate_up, beta, linear_beta, config, interpret)
     return hidden[: x.shape[0]]
+
+
+def gate_up_situ_t(x, gate_up, beta: float, linear_beta: float, *, config: GemmConfig,
+                   interpret: bool = False):
+    """Kernel 1 with K split (``config.split_k > 1``), transposed: ``hidden.T`` ``[S_r, Bp]``
+    bfloat16 (``Bp`` = B rounded up to 8; its columns past B zero), for a down kernel that reads
+    ``hidden`` so (``shared_expert.down_proj_t``); ``gate_up_situ`` is this, sliced and
+    transposed."""
+    _check(x, gate_up, gate_up.shape[0] // 2, config, "gate_up")
+    if config.split_k == 1:
+        raise ValueError(f"gate_up_situ_t needs K split (split_k > 1), got {config}")
+    return _hidden_t(_tma_rows(x), gate_up, beta, linear_beta, config, interpret)
 
 
 def down_proj(hidden, down, out_dtype=jnp.bfloat16, *, config: GemmConfig,

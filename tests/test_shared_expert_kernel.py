@@ -15,6 +15,7 @@ import moe_front_jax as mf
 from moe_front_jax import backends, reference
 from moe_front_jax.params import rank_slices
 from moe_front_jax.pallas import shared_expert as se
+from moe_front_jax.pallas import shared_expert_tma as st
 from moe_front_jax.pallas.streaming import GemmConfig as G
 from h200 import H200, lower_for_h200
 import oracle
@@ -176,7 +177,7 @@ def test_lowers_for_h200_as_two_kernels(tp):
     ones; plus zeroed counters where Triton splits K) and no XLA dot. Where both kernels finish
     their own tiles, no XLA cast or slice either: gate and up never leave the first kernel. (The
     TMA schedule hands XLA its float32 partials where it splits K, and the down's product where the
-    output is float32.)"""
+    output is float32; beside a Triton down, with no transpose: tp8 at B=64.)"""
     cfg = K3.with_tp(tp)
     s_r = cfg.shared_per_rank
     gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
@@ -196,6 +197,9 @@ def test_lowers_for_h200_as_two_kernels(tp):
             if not partials:
                 for op in ("stablehlo.convert", "stablehlo.slice"):
                     assert op not in text, (tp, batch, op)
+            if c.gate_up.tma and c.gate_up.split_k > 1 and not c.down.tma:
+                # The Triton down reads hidden as the split TMA gate/up's partials lie.
+                assert "stablehlo.transpose" not in text, (tp, batch)
 
 
 @pytest.mark.parametrize("tp", [1, 8])
@@ -344,6 +348,58 @@ def test_interpret_tma_shared_expert_matches_reference_and_float64(batch, split_
                                                    config=config))(x, gate_up, down)
     assert got.dtype == out_dtype and got.shape == (batch, SMALL_HIDDEN)
     assert_close_to_float64(got, reference.shared_expert(x, gate_up, down, cfg), 2.0**-6)
+    assert_close_to_float64(got, oracle.shared_expert(x, gate_up, down), 1e-2)
+
+
+# (batch, rows, depth, config): the down reading hidden transposed, [S_r, Bp], on the grid (K whole
+# and split) and stream-K schedules; B = 3 (Bp = 8) and 13 (Bp = 16), B = 8 with no padded column.
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("batch, rows, depth, config", [
+    (3, 128, 256, G(32, 64, 1, 4, 2)),
+    (13, 96, 256, G(32, 64, 2, 4, 2)),
+    (8, 64, 512, G(16, 128, 1, 4, 2, programs=5)),
+])
+def test_interpret_down_from_transposed_hidden_matches_float64_exactly(out_dtype, batch, rows,
+                                                                       depth, config):
+    """``down_proj_t`` on ``hidden.T`` with zero columns past B: the exact product, as
+    ``down_proj`` gives it from ``hidden``."""
+    rng = np.random.default_rng(batch)
+    h = rng.integers(-8, 9, (batch, depth))
+    d = jnp.asarray(rng.integers(-3, 4, (rows, depth)) * np.exp2(rng.integers(-6, 7, (rows, 1))),
+                    jnp.bfloat16)
+    bp = -(-batch // 8) * 8
+    h_t = jnp.asarray(np.pad(h, ((0, bp - batch), (0, 0))).T, jnp.bfloat16)
+    got = jax.jit(lambda h_t, d: se.down_proj_t(h_t, d, batch, out_dtype, interpret=True,
+                                                config=config))(h_t, d)
+    want = (h.astype(np.float64) @ np.asarray(d, np.float64).T).astype(np.float32)
+    assert got.dtype == out_dtype and got.shape == (batch, rows)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  want.astype(out_dtype).astype(np.float32))
+    plain = se.down_proj(jnp.asarray(h, jnp.bfloat16), d, out_dtype, interpret=True, config=config)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
+
+
+@pytest.mark.parametrize("batch", [3, 13])
+def test_interpret_tma_split_gate_up_hands_the_down_hidden_transposed(batch):
+    """The TMA gate/up with K split beside a Triton down (tp8's table): ``gate_up_situ_t`` is
+    ``gate_up_situ`` transposed, with zero columns to Bp, and ``shared_expert`` through it gives
+    the two public kernels' result bit for bit."""
+    cfg = dataclasses.replace(K3, hidden=SMALL_HIDDEN, shared=256)
+    _, gate_up, down = rank_slices(mf.init_weights(jax.random.key(1), cfg), cfg, 0,
+                                   cfg.experts_per_rank)
+    x = jax.random.normal(jax.random.key(batch), (batch, SMALL_HIDDEN)).astype(jnp.bfloat16)
+    config = se.SharedExpertConfig(TMA(64, split_k=2, num_stages=2), G(64, 64, 1, 4, 2))
+    h_t = st.gate_up_situ_t(x, gate_up, cfg.situ_beta, cfg.linear_beta, config=config.gate_up,
+                            interpret=True)
+    h = se.gate_up_situ(x, gate_up, cfg.situ_beta, cfg.linear_beta, interpret=True,
+                        config=config.gate_up)
+    bp = -(-batch // 8) * 8
+    assert h_t.shape == (cfg.shared, bp) and h_t.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(h_t[:, :batch].T, np.float32), np.asarray(h, np.float32))
+    assert not np.asarray(h_t[:, batch:], np.float32).any()
+    got = se.shared_expert(x, gate_up, down, cfg, jnp.float32, interpret=True, config=config)
+    want = se.down_proj(h, down, jnp.float32, interpret=True, config=config.down)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert_close_to_float64(got, oracle.shared_expert(x, gate_up, down), 1e-2)
 
 
