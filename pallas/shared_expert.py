@@ -112,6 +112,11 @@ from moe_front_jax.pallas.streaming import (
 
 TABLE_FILES = {"NVIDIA H200": "h200_shared_expert.json"}
 """Tuning table per device kind, under ``pallas/tuning/``."""
+TRANSPOSED_HIDDEN_MIN_BATCH_TILE = 16
+"""The split TMA gate/up hands the Triton down ``hidden.T`` from this batch tile on. At a batch tile
+of 8 the down's loads of ``hidden.T`` are 16-byte rows, and it took about 7.8 us instead of 4.9 at
+tp8 (thirteenth session, run 5); from 16 on it runs as fast as on ``hidden``, and the one XLA fusion
+between the kernels saves 1.2-1.9 us a call."""
 SMEM_BUDGET = 160 * 1024
 """The heuristic's pipeline buffers per program stay under this."""
 
@@ -211,13 +216,14 @@ def auto_prefers_kernel(x, gate_up, down, cfg, out_dtype=jnp.bfloat16) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """Static shapes of one GEMM of a call: ``rows`` output rows (per part) over K = ``depth``;
-    ``x_t``: ``x`` comes transposed, ``[depth, batch_tile]``, its columns past ``batch`` zero."""
+    ``x_t_columns``: where not 0, ``x`` comes transposed, ``[depth, x_t_columns]``, its columns past
+    ``batch`` zero."""
 
     batch: int
     depth: int
     rows: int
     config: GemmConfig
-    x_t: bool = False
+    x_t_columns: int = 0
 
     @property
     def batch_tile(self) -> int:
@@ -237,12 +243,12 @@ def _stream(x_ref, w_ref, first_rows, g: Geometry, rows_mask, batch_mask, step_l
     starting at each of ``first_rows`` with ``x``, over ``steps`` K steps from step ``step_lo``."""
     bn, bp, bk = g.config.block_rows, g.batch_tile, g.config.block_k
 
-    x_axis = 0 if g.x_t else 1  # x's K axis
+    x_axis = 0 if g.x_t_columns else 1  # x's K axis
 
     def step(i, accs):
         k = pl.multiple_of((step_lo + i) * bk, bk)
-        if g.x_t:
-            xs = plgpu.load(x_ref.at[pl.ds(k, bk), pl.ds(0, bp)])
+        if g.x_t_columns:
+            xs = masked_load(x_ref.at[pl.ds(k, bk), pl.ds(0, bp)], batch_mask)
         else:
             xs = masked_load(x_ref.at[pl.ds(0, bp), pl.ds(k, bk)], batch_mask)
         out = []
@@ -268,7 +274,11 @@ def _tile(g: Geometry, situ, tile):
     row_ok = (first_row + lax.broadcasted_iota(jnp.int32, (bn, 1), 0)) < g.rows
     batch_ok = lax.broadcasted_iota(jnp.int32, (bp, 1), 0) < g.batch
     rows_mask = row_ok if g.rows % bn else None
-    batch_mask = batch_ok if g.batch < bp and not g.x_t else None
+    if g.x_t_columns:  # x.T: its loads masked past the columns it has (zero past B)
+        has_column = lax.broadcasted_iota(jnp.int32, (1, bp), 1) < g.x_t_columns
+        batch_mask = has_column if g.x_t_columns < bp else None
+    else:
+        batch_mask = batch_ok if g.batch < bp else None
     first_rows = (first_row, first_row + g.rows) if situ else (first_row,)
     return first_row, row_ok, batch_ok, first_rows, rows_mask, batch_mask
 
@@ -359,7 +369,7 @@ def _gemm(x, w, rows, out_dtype, config, situ, interpret, name, batch_t=None):
             return shared_expert_tma.gate_up_situ(x, w, *situ, config=config, interpret=interpret)
         return shared_expert_tma.down_proj(x, w, out_dtype, config=config, interpret=interpret)
     config.check_divides(depth, "K")
-    g = Geometry(batch, depth, rows, config, x_t)
+    g = Geometry(batch, depth, rows, config, x.shape[1] if x_t else 0)
     if config.vector:
         if batch > VECTOR_MAX_BATCH:
             raise ValueError(f"the vector schedule {config} covers B <= {VECTOR_MAX_BATCH}, got "
@@ -526,7 +536,8 @@ def shared_expert(
             x, gate_up, down, cfg.situ_beta, cfg.linear_beta, out_dtype,
             gate_up_config=config.gate_up, down_config=config.down, interpret=interpret,
         )
-    if config.gate_up.tma and config.gate_up.split_k > 1 and not config.down.vector:
+    if (config.gate_up.tma and config.gate_up.split_k > 1 and not config.down.vector
+            and shared_expert_tma.padded_batch(x.shape[0]) >= TRANSPOSED_HIDDEN_MIN_BATCH_TILE):
         # hidden stays in the layout of the TMA kernel's partials (the batch minor): one XLA
         # fusion between the kernels instead of two.
         h_t = shared_expert_tma.gate_up_situ_t(x, gate_up, cfg.situ_beta, cfg.linear_beta,
