@@ -112,7 +112,7 @@ from moe_front_jax.pallas.streaming import (
 
 TABLE_FILES = {"NVIDIA H200": "h200_shared_expert.json"}
 """Tuning table per device kind, under ``pallas/tuning/``."""
-TRANSPOSED_HIDDEN_MIN_BATCH_TILE = 16
+TRANSPOSED_HIDDEN_MIN_BATCH_TILE = 8
 """The split TMA gate/up hands the Triton down ``hidden.T`` from this batch tile on. At a batch tile
 of 8 the down's loads of ``hidden.T`` are 16-byte rows, and it took about 7.8 us instead of 4.9 at
 tp8 (thirteenth session, run 5); from 16 on it runs as fast as on ``hidden``, and the one XLA fusion
@@ -216,14 +216,13 @@ def auto_prefers_kernel(x, gate_up, down, cfg, out_dtype=jnp.bfloat16) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """Static shapes of one GEMM of a call: ``rows`` output rows (per part) over K = ``depth``;
-    ``x_t_columns``: where not 0, ``x`` comes transposed, ``[depth, x_t_columns]``, its columns past
-    ``batch`` zero."""
+    ``x_t``: ``x`` comes transposed, ``[depth, batch_tile]``, its columns past ``batch`` zero."""
 
     batch: int
     depth: int
     rows: int
     config: GemmConfig
-    x_t_columns: int = 0
+    x_t: bool = False
 
     @property
     def batch_tile(self) -> int:
@@ -243,12 +242,12 @@ def _stream(x_ref, w_ref, first_rows, g: Geometry, rows_mask, batch_mask, step_l
     starting at each of ``first_rows`` with ``x``, over ``steps`` K steps from step ``step_lo``."""
     bn, bp, bk = g.config.block_rows, g.batch_tile, g.config.block_k
 
-    x_axis = 0 if g.x_t_columns else 1  # x's K axis
+    x_axis = 0 if g.x_t else 1  # x's K axis
 
     def step(i, accs):
         k = pl.multiple_of((step_lo + i) * bk, bk)
-        if g.x_t_columns:
-            xs = masked_load(x_ref.at[pl.ds(k, bk), pl.ds(0, bp)], batch_mask)
+        if g.x_t:
+            xs = plgpu.load(x_ref.at[pl.ds(k, bk), :])
         else:
             xs = masked_load(x_ref.at[pl.ds(0, bp), pl.ds(k, bk)], batch_mask)
         out = []
@@ -274,11 +273,7 @@ def _tile(g: Geometry, situ, tile):
     row_ok = (first_row + lax.broadcasted_iota(jnp.int32, (bn, 1), 0)) < g.rows
     batch_ok = lax.broadcasted_iota(jnp.int32, (bp, 1), 0) < g.batch
     rows_mask = row_ok if g.rows % bn else None
-    if g.x_t_columns:  # x.T: its loads masked past the columns it has (zero past B)
-        has_column = lax.broadcasted_iota(jnp.int32, (1, bp), 1) < g.x_t_columns
-        batch_mask = has_column if g.x_t_columns < bp else None
-    else:
-        batch_mask = batch_ok if g.batch < bp else None
+    batch_mask = batch_ok if g.batch < bp and not g.x_t else None
     first_rows = (first_row, first_row + g.rows) if situ else (first_row,)
     return first_row, row_ok, batch_ok, first_rows, rows_mask, batch_mask
 
@@ -358,8 +353,8 @@ def _vector_kernel(x_ref, w_ref, out_ref, *, geometry: Geometry, situ, out_dtype
 
 
 def _gemm(x, w, rows, out_dtype, config, situ, interpret, name, batch_t=None):
-    """Either kernel on ``config``'s schedule; ``batch_t``: ``x`` is given transposed (``[K, Bp]``,
-    columns past ``batch_t`` zero; grid and stream-K schedules)."""
+    """Either kernel on ``config``'s schedule; ``batch_t``: ``x`` is given transposed (``[K, batch
+    tile]``, columns past ``batch_t`` zero; grid and stream-K schedules)."""
     x_t = batch_t is not None
     batch, depth = (batch_t, x.shape[0]) if x_t else x.shape
     if x_t and (config.tma or config.vector):
@@ -369,7 +364,9 @@ def _gemm(x, w, rows, out_dtype, config, situ, interpret, name, batch_t=None):
             return shared_expert_tma.gate_up_situ(x, w, *situ, config=config, interpret=interpret)
         return shared_expert_tma.down_proj(x, w, out_dtype, config=config, interpret=interpret)
     config.check_divides(depth, "K")
-    g = Geometry(batch, depth, rows, config, x.shape[1] if x_t else 0)
+    g = Geometry(batch, depth, rows, config, x_t)
+    if x_t and x.shape[1] != g.batch_tile:
+        raise ValueError(f"hidden.T must have the batch tile's {g.batch_tile} columns, got {x.shape}")
     if config.vector:
         if batch > VECTOR_MAX_BATCH:
             raise ValueError(f"the vector schedule {config} covers B <= {VECTOR_MAX_BATCH}, got "
@@ -484,10 +481,15 @@ def down_proj_t(
     interpret: bool = False,
     config: GemmConfig,
 ) -> jax.Array:
-    """Kernel 2 on ``hidden`` given transposed: ``hidden_t`` ``[S_r, Bp]`` bfloat16 (Bp = B rounded
-    up to 8, columns past ``batch`` zero), as the TMA gate/up with K split leaves it
-    (``shared_expert_tma.gate_up_situ_t``); ``[batch, H]`` in ``out_dtype``. Grid and stream-K
-    schedules only."""
+    """Kernel 2 on ``hidden`` given transposed: ``hidden_t`` ``[S_r, Bp]`` bfloat16 (``Bp >= B``,
+    columns past ``batch`` zero), as the TMA gate/up with K split leaves it
+    (``shared_expert_tma.gate_up_situ_t``, Bp = B rounded up to 8); ``[batch, H]`` in
+    ``out_dtype``. Grid and stream-K schedules only. ``hidden_t`` is padded with zero columns to
+    the kernel's batch tile (a power of two >= 16; XLA fuses the pad into the op that produced
+    it), so that the kernel's loads of it are whole rows of 32 bytes or more, unmasked."""
+    tile = padded_batch(batch)
+    if hidden_t.shape[1] < tile:
+        hidden_t = jnp.pad(hidden_t, ((0, 0), (0, tile - hidden_t.shape[1])))
     return _gemm(hidden_t, down, down.shape[0], jnp.dtype(out_dtype), config, None, interpret,
                  "shared_down", batch_t=batch)
 

@@ -353,10 +353,8 @@ def test_interpret_tma_shared_expert_matches_reference_and_float64(batch, split_
 
 
 # (batch, rows, depth, config): the down reading hidden transposed, [S_r, Bp] (Bp = B rounded up to
-# 8), on the grid (K whole and split) and stream-K schedules, whose batch tile is a power of two >= 16:
-# B = 3 (Bp = 8, tile 16), 13 (16, 16), 21 (24, 32), 8 (8, 16). Interpret mode reads zeros past an
-# array's end, so the mask on hidden.T's missing columns is checked on the GPU (test_gpu_matches_float64
-# at B=37: Bp = 40, tile 64).
+# 8), on the grid (K whole and split) and stream-K schedules, which pad it to their batch tile (a power
+# of two >= 16): B = 3 (Bp = 8, tile 16), 13 (16, 16), 21 (24, 32), 8 (8, 16).
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("batch, rows, depth, config", [
     (3, 128, 256, G(32, 64, 1, 4, 2)),
@@ -501,7 +499,8 @@ def test_gpu_matches_float64(tp):
     """At K3's shapes, the kernels' output (float32 partial and bfloat16) within 1e-2 of the float64
     oracle (relative to each value, measured at least at its row's RMS), on the last rank's slice,
     with the tuned schedules of every tuned batch but 2 and 4 (tensor-core ones from B = 2 on). At
-    tp8 B = 16, 37 and 64 the down reads ``hidden.T``, at B=37 masked past its 40 columns."""
+    tp8 B = 7, 16, 37 and 64 the down reads ``hidden.T``, padded to its batch tile at B = 7 and
+    37."""
     cfg = K3.with_tp(tp)
     _, gate_up, down = rank_slices(k3_weights(), cfg, tp - 1, cfg.experts_per_rank)
     for batch in (1, 7, 16, 37, 64):
