@@ -112,11 +112,6 @@ from moe_front_jax.pallas.streaming import (
 
 TABLE_FILES = {"NVIDIA H200": "h200_shared_expert.json"}
 """Tuning table per device kind, under ``pallas/tuning/``."""
-TRANSPOSED_HIDDEN_MIN_BATCH_TILE = 8
-"""The split TMA gate/up hands the Triton down ``hidden.T`` from this batch tile on. At a batch tile
-of 8 the down's loads of ``hidden.T`` are 16-byte rows, and it took about 7.8 us instead of 4.9 at
-tp8 (thirteenth session, run 5); from 16 on it runs as fast as on ``hidden``, and the one XLA fusion
-between the kernels saves 1.2-1.9 us a call."""
 SMEM_BUDGET = 160 * 1024
 """The heuristic's pipeline buffers per program stay under this."""
 
@@ -538,8 +533,7 @@ def shared_expert(
             x, gate_up, down, cfg.situ_beta, cfg.linear_beta, out_dtype,
             gate_up_config=config.gate_up, down_config=config.down, interpret=interpret,
         )
-    if (config.gate_up.tma and config.gate_up.split_k > 1 and not config.down.vector
-            and shared_expert_tma.padded_batch(x.shape[0]) >= TRANSPOSED_HIDDEN_MIN_BATCH_TILE):
+    if config.gate_up.tma and config.gate_up.split_k > 1 and not config.down.vector:
         # hidden stays in the layout of the TMA kernel's partials (the batch minor): one XLA
         # fusion between the kernels instead of two.
         h_t = shared_expert_tma.gate_up_situ_t(x, gate_up, cfg.situ_beta, cfg.linear_beta,

@@ -31,8 +31,13 @@ a transposed view, not a float32 one.
 
 Split K (``split_k > 1``: tp8's 768 gate rows are 12 CTAs, so K is split 8-16 ways) and float32
 output (the partial sum under tp): the CTA ``(part, tile)`` stores its float32 accumulators, as they
-lie, into partials ``[split_k, parts, rows, Bp]``, and XLA sums them over ``split_k``, transposes and
-runs the epilogue (situ, or the cast) in one small fusion (``_partials``).
+lie, into partials ``[split_k, parts, rows, Bp]`` (``_partials``; Mosaic GPU in jax 0.11.2 has no
+transposed float32 store), and XLA sums them over ``split_k`` and runs the epilogue. The gate/up's
+epilogue leaves ``hidden`` in that layout, ``[S_r, Bp]`` (``gate_up_situ_t``): sum, rounding and
+situ are then one XLA fusion, where a transpose to ``[B, S_r]`` split them into a reduction and a
+transpose, 1.0-1.4 us more at tp8 (``benchmarks/split_epilogue_probe.py``, thirteenth session).
+``shared_expert.shared_expert`` hands that ``hidden.T`` to its Triton down as it is;
+``gate_up_situ`` returns it transposed.
 
 Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the kernels' split_k where they hand XLA partials):
   bytes = 2 * 2 * S_r * H + 2 * H * S_r    the two weights, each read once (264.2 MB at tp1, 33.0 MB
