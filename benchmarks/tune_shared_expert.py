@@ -3,7 +3,10 @@
 For each tp shape of K3 and batch rounded up to a power of two it compiles a pruned set of schedules
 for each of the two kernels (gate/up with situ; down; up to B = 8 the vector schedules too), checks
 each against XLA on the same data, times the correct ones with CUPTI over weights rotated past the
-L2, and keeps the fastest of each (the kernels are independent: a call's time is the sum). Each
+L2, and keeps the fastest pair (a call's time is the sum of its kernels'). A TMA gate/up that
+splits K hands ``shared_expert``'s Triton down ``hidden`` transposed (``gate_up_situ_t``, then
+``down_proj_t``), so it is timed so, and the grid and stream-K downs are timed on ``hidden.T`` too
+(``down_t``): such a gate/up pairs with the best ``down_t``, any other with the best down. Each
 kernel's XLA counterpart (the check's reference) is timed in the same run.
 
   python benchmarks/tune_shared_expert.py --out $OUT [--table pallas/tuning/h200_shared_expert.json]
@@ -54,6 +57,17 @@ SMEM_BUDGET = 200 * 1024
 
 
 KINDS = ("grid", "stream_k", "vector", "tma")
+
+
+def hands_over_transposed(c: GemmConfig | None) -> bool:
+    """A gate/up schedule after which ``shared_expert`` gives the Triton down ``hidden.T``."""
+    return c is not None and c.tma and c.split_k > 1
+
+
+def transposed(h: jax.Array) -> jax.Array:
+    """``hidden.T`` as ``gate_up_situ_t`` leaves it: ``[S_r, Bp]``, zero columns past B."""
+    batch = h.shape[0]
+    return jnp.pad(h.T, ((0, 0), (0, shared_expert_tma.padded_batch(batch) - batch)))
 
 
 def out_dtype(tp: int):
@@ -199,6 +213,7 @@ def main() -> None:
             entry = current.get(se.table_key(s.shared, s.hidden, bp))
             now = (se.SharedExpertConfig.from_json(entry) if entry
                    else se.heuristic_config(s.shared, s.hidden, bp, cores=132))
+            by_kernel = {}
             for kernel, row_count, k, parts in (("gate_up", s.shared, s.hidden, 2),
                                                 ("down", s.hidden, s.shared, 1)):
                 configs = [None, getattr(now, kernel)]  # None: XLA's, timed as the reference
@@ -210,22 +225,40 @@ def main() -> None:
                     configs += vector_candidates(row_count, k, parts, bp)
                 if "tma" in kinds:
                     configs += tma_candidates(row_count, k, parts, bp)
-                per_key.append([(tp, bp, kernel, c) for c in dict.fromkeys(configs)])
+                by_kernel[kernel] = list(dict.fromkeys(configs))
+            if any(map(hands_over_transposed, by_kernel["gate_up"])):
+                by_kernel["down_t"] = [c for c in by_kernel["down"]
+                                       if c is not None and not (c.tma or c.vector)]
+            per_key += [[(tp, bp, kernel, c) for c in configs]
+                        for kernel, configs in by_kernel.items()]
     jobs = [lst[i] for i in range(max(map(len, per_key))) for lst in per_key if i < len(lst)]
     print(f"{len(jobs)} variants", flush=True)
+
+    def operands(tp, bp, kernel):
+        """The job's input rows and weight copies (``down_t``: ``hidden.T`` and down's)."""
+        if kernel == "down_t":
+            return transposed(data[tp, bp, "down"]), weights[tp, "down"]
+        return data[tp, bp, kernel], weights[tp, kernel]
 
     def compile_one(job):
         tp, bp, kernel, c = job
         if c is None:
             fn = XLA[kernel](tp)
+        elif kernel == "gate_up" and hands_over_transposed(c):
+            fn = lambda x, w: shared_expert_tma.gate_up_situ_t(x, w, 4.0, 25.0, config=c)  # noqa: E731
         elif kernel == "gate_up":
             fn = lambda x, w: se.gate_up_situ(x, w, 4.0, 25.0, config=c)  # noqa: E731
+        elif kernel == "down_t":
+            fn = lambda h_t, w: se.down_proj_t(h_t, w, bp, out_dtype(tp), config=c)  # noqa: E731
         else:
             fn = lambda h, w: se.down_proj(h, w, out_dtype(tp), config=c)  # noqa: E731
-        return jax.jit(fn).lower(data[tp, bp, kernel], weights[tp, kernel][0]).compile()
+        x, w = operands(tp, bp, kernel)
+        return jax.jit(fn).lower(x, w[0]).compile()
 
     def check(kernel, got, want):
         bf16 = got.dtype == jnp.bfloat16
+        if got.shape != want.shape:  # hidden.T from a gate/up that hands it over so
+            got = got[:, : want.shape[0]].T
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         scale = np.abs(want).max(axis=1, keepdims=True) + 1e-30
         err = (np.abs(got - want) / scale).max()
@@ -247,12 +280,13 @@ def main() -> None:
                 continue
             try:
                 fn = future.result()
-                bad = check(kernel, fn(data[tp, bp, kernel], weights[tp, kernel][0]),
-                            refs[tp, bp, kernel])
+                x, w = operands(tp, bp, kernel)
+                want = refs[tp, bp, "down" if kernel == "down_t" else kernel]
+                bad = check(kernel, fn(x, w[0]), want)
                 if bad:
                     row["error"] = bad
                 else:
-                    us, kernels = cupti_us_per_call(fn, data[tp, bp, kernel], weights[tp, kernel])
+                    us, kernels = cupti_us_per_call(fn, x, w)
                     row.update(us=us, kernels=kernels)
             except Exception as e:  # a variant that fails is recorded, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -262,11 +296,22 @@ def main() -> None:
 
     best, xla = {}, {}
     for row in results:
-        key = (row["tp"], row["batch"], row["kernel"])
+        kernel = row["kernel"]
+        config = row["config"] and GemmConfig(**row["config"])
+        if kernel == "gate_up" and hands_over_transposed(config):
+            kernel = "gate_up_t"  # pairs with down_t
+        key = (row["tp"], row["batch"], kernel)
         if row["config"] is None:
             xla[key] = row.get("us", nan)
         elif "us" in row and (key not in best or row["us"] < best[key]["us"]):
             best[key] = row
+
+    def pair(tp, bp):
+        """The fastest (gate/up, down) rows of a key that run together, or None."""
+        pairs = [(best.get((tp, bp, g)), best.get((tp, bp, d)))
+                 for g, d in (("gate_up", "down"), ("gate_up_t", "down_t"))]
+        pairs = [(g, d) for g, d in pairs if g and d]
+        return min(pairs, key=lambda gd: gd[0]["us"] + gd[1]["us"]) if pairs else None
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune_shared_expert.json"), "w") as f:
         json.dump(dict(device=kind, results=results), f, indent=1)
@@ -276,8 +321,8 @@ def main() -> None:
         entries, earlier = merged["entries"], merged["command"] + "; then "
     for tp, s in shapes.items():
         for bp in batches:
-            if (tp, bp, "gate_up") in best and (tp, bp, "down") in best:
-                gu, dn = best[tp, bp, "gate_up"], best[tp, bp, "down"]
+            if found := pair(tp, bp):
+                gu, dn = found
                 entries[se.table_key(s.shared, s.hidden, bp)] = dict(
                     tp=tp, gate_up=gu["config"], down=dn["config"],
                     gate_up_us=round(gu["us"], 3), down_us=round(dn["us"], 3),
@@ -299,10 +344,10 @@ def main() -> None:
           f"reference, same run)")
     for tp, s in shapes.items():
         for bp in batches:
-            gu, dn = best.get((tp, bp, "gate_up")), best.get((tp, bp, "down"))
-            if not (gu and dn):
+            if not (found := pair(tp, bp)):
                 print(f"{tp:>3} {bp:>4} (no working schedule)")
                 continue
+            gu, dn = found
             f = lambda c: (f"bn{c['block_rows']} bk{c['block_k']} s{c['split_k']} w{c['num_warps']} "  # noqa: E731
                            f"st{c['num_stages']}{' vector' if c['vector'] else ''}"
                            f"{' tma' if c.get('tma') else ''}"
