@@ -108,24 +108,35 @@ def cupti_us_per_call(fn, x, weights, rounds: int = 2) -> tuple[float, list[str]
     return statistics.median(map(sum, zip(*per_kernel.values()))), list(per_kernel)
 
 
-def cupti_us_per_kernel(fn, x, weights, rounds: int = 2) -> dict[str, list[float]]:
+def cupti_us_per_kernel(fn, x, weights, rounds: int = 2, attempts: int = 3
+                        ) -> dict[str, list[float]]:
     """The CUPTI time of each kernel ``fn(x, w)`` launches, in launch order: name -> microseconds
-    per call, over ``rounds * len(weights)`` calls rotating ``weights``."""
+    per call, over ``rounds * len(weights)`` calls rotating ``weights``.
+
+    CUPTI also records kernels that other threads launch meanwhile (XLA autotuning the variants a
+    tuner compiles beside the timing): where the calls' records then disagree (their count is not a
+    multiple of the calls, or a call's kernel names differ from the first call's), the calls are
+    timed again, up to ``attempts`` times in all."""
     from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # GPU jaxlib only
 
     jax.block_until_ready(fn(x, weights[0]))
     ext = mosaic_gpu_lib._mosaic_gpu_ext
     calls = rounds * len(weights)
-    ext._cupti_init()
-    try:
-        outs = [fn(x, weights[i % len(weights)]) for i in range(calls)]
-        jax.block_until_ready(outs)
-    finally:
-        timings = ext._cupti_get_timings(True)
-    if not timings or len(timings) % calls:
-        raise RuntimeError(f"{len(timings or [])} kernels over {calls} calls")
-    per = len(timings) // calls
-    names = [name for name, _ in timings[:per]]
+    for _ in range(attempts):
+        ext._cupti_init()
+        try:
+            outs = [fn(x, weights[i % len(weights)]) for i in range(calls)]
+            jax.block_until_ready(outs)
+        finally:
+            timings = ext._cupti_get_timings(True)
+        if timings and len(timings) % calls == 0:
+            per = len(timings) // calls
+            names = [name for name, _ in timings[:per]]
+            if all([name for name, _ in timings[c * per:(c + 1) * per]] == names
+                   for c in range(calls)):
+                break
+    else:
+        raise RuntimeError(f"{len(timings or [])} kernels over {calls} calls, {attempts} times")
     if len(set(names)) < per:  # the same kernel twice a call: number the repeats
         names = [f"{name}#{i}" for i, name in enumerate(names)]
     return {name: [timings[c * per + i][1] * 1e3 for c in range(calls)]

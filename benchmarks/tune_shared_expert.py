@@ -65,9 +65,11 @@ def hands_over_transposed(c: GemmConfig | None) -> bool:
 
 
 def transposed(h: jax.Array) -> jax.Array:
-    """``hidden.T`` as ``gate_up_situ_t`` leaves it: ``[S_r, Bp]``, zero columns past B."""
+    """``hidden.T`` as ``down_proj_t`` runs on it: ``[S_r, batch tile]``, zero columns past B
+    (``down_proj_t`` pads ``gate_up_situ_t``'s ``[S_r, Bp]`` so, in the XLA fusion that produces
+    it: a padded input keeps that pad out of the down's time here)."""
     batch = h.shape[0]
-    return jnp.pad(h.T, ((0, 0), (0, shared_expert_tma.padded_batch(batch) - batch)))
+    return jnp.pad(h.T, ((0, 0), (0, padded_batch(batch) - batch)))
 
 
 def out_dtype(tp: int):
