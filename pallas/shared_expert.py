@@ -44,7 +44,10 @@ of one gate and one up row gives 768 programs without splitting K.
 TMA schedule (``GemmConfig(64, block_k, split_k, 4, stages, tma=True)``, ``B <= 64``;
 ``shared_expert_tma``): either kernel in Mosaic GPU, one warpgroup per 64 weight rows over a
 ``K / split_k`` chunk, the weight streamed through a ring of TMA stages into wgmma; where K is split
-or the output is float32, XLA sums the kernel's float32 partials and runs the epilogue.
+or the output is float32, XLA sums the kernel's float32 partials and runs the epilogue. A gate/up
+that splits K leaves ``hidden`` transposed, ``[S_r, Bp]``, as its partials lie, and a grid or
+stream-K down reads it so (``down_proj_t``, ``Geometry.x_t``): one XLA fusion between the two
+kernels instead of a reduction and a transpose.
 
 Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working) for the grid, stream-K and
 vector schedules, for the reasons of ``front_gemm``: a pipelined K loop, small-M tensor-core dots,
@@ -65,16 +68,18 @@ Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the two kernels' split_k, their pa
 so the arithmetic intensity is about B FLOP/byte: memory-bound for decode batches; the floor on an
 H200 is the weight bytes over the HBM read bandwidth (56.8 us at tp1, 7.1 us at tp8 at 4.65 TB/s).
 
-Measured on the H200 (2026-12-04, twelfth session's run 8, tuned table, CUPTI, weights rotated;
-benchmarks/RESULTS.md): tp1 B=1/8/16/64 65.6/63.9/66.5/68.9 us (4.03/4.14/3.97/3.83 TB/s) on the
-TMA schedule against XLA's 72.0/69.5/72.4/83.1 (the Triton schedules' best took 68.0/69.1/69.4/83.8
-in the eleventh session); tp8 B=1/8/16/64 12.4/14.5/14.9/17.9 us against 15.1/15.6/17.8/20.8. The
-table runs the TMA schedule for both kernels at tp1 (B = 1-64), the vector gate/up at tp8 B=1-2,
-the TMA gate/up (K split 8 ways) at tp8 B=4-64 and the tensor-core down at tp8. ``"auto"`` runs
-these kernels where they measured faster in every run (``auto_prefers_kernel``): at tp1 and tp8 for
-B <= 64, but tp8 B=8 (1.03x in one of its two runs). Both GEMMs in one launch (a
-ticket per program's work, the down programs waiting for ``hidden``) was slower at every shape
-measured, in the fifth session and again in the eleventh (RESULTS.md): the two kernels stay.
+Measured on the H200 (2026-12-04, thirteenth session's run 11, tuned table, CUPTI, weights rotated;
+benchmarks/RESULTS.md): tp1 B=1/8/16/64 64.7/63.9/65.7/68.8 us (4.09/4.14/4.02/3.84 TB/s) on the
+TMA schedule against XLA's 72.9/72.6/72.4/86.6 (the Triton schedules' best took 68.0/69.1/69.4/83.8
+in the eleventh session); tp8 B=1/8/16/64 12.6/13.5/13.7/16.0 us against 14.6/14.8/16.2/21.1 (the
+twelfth session's, with ``hidden`` transposed to ``[B, S_r]`` between the kernels: 12.4/14.5/14.9/
+17.9). The table runs the TMA schedule for both kernels at tp1 (B = 1-64), the vector gate/up at tp8
+B=1-2, the TMA gate/up (K split 8 ways) at tp8 B=4-64 and the tensor-core down at tp8. ``"auto"``
+runs these kernels where they measured faster in every run (``auto_prefers_kernel``): at tp1 and tp8
+for every B <= 64. Both GEMMs in one launch was slower at every shape measured: in Triton with a
+ticket per program's work (the fifth and eleventh sessions), and in Mosaic GPU with the down rows
+resident in shared memory and semaphore handshakes (thirteenth session, branch ``fused-tma``:
+15.5-18.8 us at tp8, its handshakes' chain of global round trips about 6 us): the two kernels stay.
 """
 
 from __future__ import annotations
