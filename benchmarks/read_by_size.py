@@ -5,10 +5,11 @@
 GPU.md's read ceiling (4.65 TB/s) is a bfloat16 sum over 2 GiB. The front's weights are 8-264 MB,
 read once per call, where a kernel's start and tail weigh more. For each weight (the front GEMM's
 rows at tp 1, 2, 4, 8: router and latent rows, no padding; the shared expert's gate/up and down at
-tp 1 and 8, and both together, the bytes a call must read) this times, with CUPTI over copies rotated past the L2, the plainest reads XLA has:
-``jnp.sum(w, axis=1, dtype=float32)`` (one float32 per row written) and ``jnp.sum(w,
-dtype=float32)`` (a scalar); and, on the front's weights, the front GEMM at B = 1 with its tuned
-schedule and XLA's ``dot_general``. The table prints last; the results go to $OUT/read_by_size.json.
+tp 1 and 8, and both as one array, the bytes its call must read) this times, with CUPTI over
+copies rotated past the L2, the plainest reads XLA has: ``jnp.sum(w, axis=1, dtype=float32)`` (one
+float32 per row written) and ``jnp.sum(w, dtype=float32)`` (a scalar); and, on the front's
+weights, the front GEMM at B = 1 with its tuned schedule and XLA's ``dot_general``. The table
+prints last; the results go to $OUT/read_by_size.json.
 """
 
 from __future__ import annotations

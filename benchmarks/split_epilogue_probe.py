@@ -8,13 +8,15 @@ rounds gate and up to bfloat16 and applies situ. In the twelfth session's runs t
 kernels (a reduce and a transpose-and-convert, 2.2-3.2 us at tp8) beside a 7-9 us gate/up kernel.
 This times three layouts of the same arithmetic on random partials (CUPTI, two copies alternated):
 
-  weight-major   the current: sum, slice, transpose, round, situ
+  weight-major   as the package ran it before this probe: sum, slice, transpose, round, situ
   situ-first     sum, round and situ on ``[S_r, Bp]``, then slice and transpose the bfloat16 result
   batch-major    partials ``[split_k, 2, Bp, S_r]`` (a kernel with the batch as M would store these):
                  sum, slice, round, situ, no transpose
 
-and checks that all three give the same bits. The table prints last; rows go to
-$OUT/split_epilogue_probe.json.
+and records whether each gives the first's bits (a different order of summation may not). Since
+this probe the package runs situ-first without the transpose, handing the down ``hidden.T``
+(``shared_expert_tma.gate_up_situ_t``); ``bench_shared_expert.py`` times that inside the whole call.
+The table prints last; rows go to $OUT/split_epilogue_probe.json.
 """
 
 from __future__ import annotations

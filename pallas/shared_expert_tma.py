@@ -54,9 +54,10 @@ at tp1 the gate/up takes 41.6-42.2 us at B <= 8 (4.18-4.24 TB/s; XLA's row sum o
 reads it at 4.51) and 44.4 at B=64; the down 21.3-21.6 us (4.07-4.13 TB/s) and 22.9. Both kernels
 take 62.8-69.3 us per call at B = 1-64 against XLA's 67.7-86.5. At tp8 the split gate/up (8 ways)
 takes 8.0-9.6 us at B = 4-64 with its epilogue fusion (thirteenth session, run 10), where the Triton
-schedules took 9.9-15.5; there the Triton down (4.9-6.0 us) beat this one (5.4-6.8). The best rings hold 4-6 stages of 128-256 columns. 128-row
-CTAs (half the CTAs, half the re-reads of ``x``) were slower at every batch at tp1, and two steps
-of wgmmas behind the loads instead of one no faster (``WGMMA_STEPS_IN_FLIGHT``).
+schedules took 9.9-15.5; there the Triton down (4.9-6.0 us) beat this one (5.4-6.8). The best rings
+hold 4-6 stages of 128-256 columns. 128-row CTAs (half the CTAs, half the re-reads of ``x``) were
+slower at every batch at tp1, and two steps of wgmmas behind the loads instead of one no faster
+(``WGMMA_STEPS_IN_FLIGHT``).
 """
 
 from __future__ import annotations
