@@ -149,10 +149,7 @@ def tma_candidates(row_count: int, k: int, parts: int, batch: int, cores: int = 
     part) with stages of 64, 128 and 256 columns; no split of K where the row tiles give two thirds
     of the ``cores`` SMs a CTA, else each split that gives them 96 to 300 CTAs of at least two K
     steps (XLA then sums the partials); rings 3 to 8 deep (fewer where a CTA has fewer K steps) that
-    fit the shared memory budget (``parts`` weight blocks and the ``x`` block per stage). From
-    B = 32 on (an ``x`` block of at least half a weight block) also ``x`` in a ring of its own
-    (``GemmConfig.x_stages``) of 2 and 3 stages, the weight's ring as deep as the rest of the budget
-    allows, and one stage shallower."""
+    fit the shared memory budget (``parts`` weight blocks and the ``x`` block per stage)."""
     if batch > TMA_MAX_BATCH or row_count % TMA_ROWS:
         return []
     bp, tiles = shared_expert_tma.padded_batch(batch), row_count // TMA_ROWS
@@ -163,16 +160,11 @@ def tma_candidates(row_count: int, k: int, parts: int, batch: int, cores: int = 
         steps = k // bk
         splits = ([1] if 3 * tiles >= 2 * cores else
                   [s for s in divisors(steps) if 96 <= tiles * s <= 300 and steps // s >= 2])
-        w_stage, x_stage = 2 * bk * parts * TMA_ROWS, 2 * bk * bp
+        stage = 2 * bk * (parts * TMA_ROWS + bp)
         for split in splits:
-            deepest = min(SMEM_BUDGET // (w_stage + x_stage), steps // split)
+            deepest = min(SMEM_BUDGET // stage, steps // split)
             for depth in sorted({d for d in (3, 4, 6, 8, deepest) if min(3, deepest) <= d <= deepest}):
                 out.append(GemmConfig(TMA_ROWS, bk, split, TMA_WARPS, depth, tma=True))
-            for x_stages in (2, 3) if bp >= 32 else ():
-                deepest = min((SMEM_BUDGET - x_stages * x_stage) // w_stage, steps // split)
-                out += [GemmConfig(TMA_ROWS, bk, split, TMA_WARPS, depth, tma=True,
-                                   x_stages=x_stages) for depth in (deepest - 1, deepest)
-                        if depth >= 2]
     return out
 
 

@@ -92,88 +92,35 @@ ahead."""
 def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int, part=0):
     """The float32 accumulators ``[block_rows, bp]`` of the weight's row tiles ``first_tiles``
     (counted in ``block_rows``) against ``x`` over K chunk ``part`` of ``split_k``: ``num_stages``
-    TMA stages of ``block_k`` columns in flight (``x`` in the same stages, or, with
-    ``config.x_stages``, in a ring of its own: ``_XRing``)."""
+    TMA stages of ``block_k`` columns in flight."""
     rows, block_k, depth = config.block_rows, config.block_k, config.num_stages
     steps = x_gmem.shape[1] // block_k // config.split_k
     first_step = part * steps
     transforms = _transforms(block_k)
     parts = len(first_tiles)
 
-    def with_ring(*ring):
-        x_tile = _XRing(x_gmem, *ring, bp, block_k, first_step, steps) if ring else None
+    def scope(*accs):
+        def body(_, *smem):
+            *w_smem, x_smem = smem
+            for acc, w in zip(accs, w_smem):
+                plgpu.wgmma(acc, w, x_smem.T)
+            # The wgmmas of steps before the last WGMMA_STEPS_IN_FLIGHT are done: their slots may
+            # be refilled.
+            plgpu.wgmma_wait(parts * WGMMA_STEPS_IN_FLIGHT)
 
-        def scope(*accs):
-            def body(indices, *smem):
-                *w_smem, x_smem = smem if x_tile is None else (*smem, x_tile(indices[0]))
-                for acc, w in zip(accs, w_smem):
-                    plgpu.wgmma(acc, w, x_smem.T)
-                # The wgmmas of steps before the last WGMMA_STEPS_IN_FLIGHT are done: their slots
-                # may be refilled.
-                plgpu.wgmma_wait(parts * WGMMA_STEPS_IN_FLIGHT)
-                if x_tile is not None:
-                    x_tile.refill(indices[0])
+        w_specs = [
+            plgpu.BlockSpec((rows, block_k), lambda k, t=t: (t, first_step + k),
+                            transforms=transforms, delay_release=WGMMA_STEPS_IN_FLIGHT)
+            for t in first_tiles
+        ]
+        x_spec = plgpu.BlockSpec((bp, block_k), lambda k: (0, first_step + k),
+                                 transforms=transforms, delay_release=WGMMA_STEPS_IN_FLIGHT)
+        plgpu.emit_pipeline(
+            body, grid=(steps,), in_specs=[*w_specs, x_spec], max_concurrent_steps=depth
+        )(*[w_gmem] * parts, x_gmem)
+        return tuple(acc[...] for acc in accs)
 
-            w_specs = [
-                plgpu.BlockSpec((rows, block_k), lambda k, t=t: (t, first_step + k),
-                                transforms=transforms, delay_release=WGMMA_STEPS_IN_FLIGHT)
-                for t in first_tiles
-            ]
-            x_specs = [] if x_tile is not None else [
-                plgpu.BlockSpec((bp, block_k), lambda k: (0, first_step + k),
-                                transforms=transforms, delay_release=WGMMA_STEPS_IN_FLIGHT)]
-            plgpu.emit_pipeline(
-                body, grid=(steps,), in_specs=[*w_specs, *x_specs], max_concurrent_steps=depth
-            )(*[w_gmem] * parts, *[x_gmem] * len(x_specs))
-            return tuple(acc[...] for acc in accs)
-
-        return pl.run_scoped(scope, *[plgpu.ACC((rows, bp), jnp.float32)] * parts)
-
-    if not config.x_stages:
-        return with_ring()
-    # Shared memory and registers are scoped apart: the ring outside, the accumulators inside.
-    return pl.run_scoped(
-        with_ring,
-        plgpu.SMEM((config.x_stages, bp, block_k), jnp.bfloat16, transforms=transforms),
-        plgpu.Barrier(num_arrivals=1, num_barriers=config.x_stages),
-    )
-
-
-class _XRing:
-    """``x``'s own ring of TMA stages (``GemmConfig.x_stages``): stage ``k`` of the K chunk lies in
-    slot ``k % n``; the first ``n`` are loaded before the weight's pipeline starts, and step ``k``,
-    once the wgmmas of step ``j = k - WGMMA_STEPS_IN_FLIGHT`` are done, loads step ``j + n`` into
-    the slot step ``j`` read."""
-
-    def __init__(self, x_gmem, smem, barriers, bp, block_k, first_step, steps):
-        self.x_gmem, self.smem, self.barriers = x_gmem, smem, barriers
-        self.bp, self.block_k, self.first_step, self.steps = bp, block_k, first_step, steps
-        self.n = smem.shape[0]
-        for k in range(min(self.n, steps)):
-            self._load(k)
-
-    def _load(self, k):
-        slot = lax.rem(k, self.n)
-        columns = pl.ds((self.first_step + k) * self.block_k, self.block_k)
-        plgpu.copy_gmem_to_smem(self.x_gmem.at[pl.ds(0, self.bp), columns], self.smem.at[slot],
-                                self.barriers.at[slot])
-
-    def __call__(self, k):
-        """Step ``k``'s ``[bp, block_k]`` tile, once it has arrived."""
-        slot = lax.rem(k, self.n)
-        plgpu.barrier_wait(self.barriers.at[slot])
-        return self.smem.at[slot]
-
-    def refill(self, k):
-        """After step ``k``'s wgmmas are issued and waited down to WGMMA_STEPS_IN_FLIGHT steps:
-        the freed slot's next load."""
-        done = k - WGMMA_STEPS_IN_FLIGHT
-        following = done + self.n
-
-        @pl.when((done >= 0) & (following < self.steps))
-        def _():
-            self._load(following)
-
+    return pl.run_scoped(scope, *[plgpu.ACC((rows, bp), jnp.float32)] * parts)
 
 
 def _store_transposed(tile_t, out_gmem, column):

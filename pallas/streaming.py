@@ -53,10 +53,6 @@ class GemmConfig:
         ``K / split_k`` chunk, the weight streamed through a ring of ``num_stages`` TMA stages of
         ``block_k`` columns into wgmma; so ``num_warps`` 4, no programs. With ``split_k > 1`` XLA
         sums the float32 partials and runs the epilogue.
-      x_stages: (keyword only, TMA schedule) 0: ``x`` rides in the weight's ring, a ``[Bp,
-        block_k]`` tile in each of its stages; ``n >= 2``: ``x`` has its own ring of ``n`` stages
-        beside the weight's ``num_stages``, so that at a large batch (whose ``x`` tile is half
-        the size of the weight's at B=64) the weight keeps more of the shared memory in flight.
     """
 
     block_rows: int
@@ -67,7 +63,6 @@ class GemmConfig:
     programs: int = 0
     vector: bool = dataclasses.field(default=False, kw_only=True)
     tma: bool = dataclasses.field(default=False, kw_only=True)
-    x_stages: int = dataclasses.field(default=0, kw_only=True)
 
     def __post_init__(self):
         name = type(self).__name__
@@ -107,10 +102,6 @@ class GemmConfig:
                 f"stages: {name}(block_rows={TMA_ROWS}, block_k, split_k, num_warps={TMA_WARPS}, "
                 f"num_stages>=2, programs=0, tma=True), got {self}"
             )
-        if not isinstance(self.x_stages, int) or self.x_stages < 0 or self.x_stages == 1:
-            raise ValueError(f"{name}.x_stages must be 0 or an int >= 2, got {self.x_stages!r}")
-        if self.x_stages and not self.tma:
-            raise ValueError(f"{name}.x_stages is the TMA schedule's (tma=True), got {self}")
 
     def least_block_rows(self) -> int:
         """The fewest rows a program may own: a tensor-core dot's M, or one row (vector)."""

@@ -289,8 +289,7 @@ TMA = functools.partial(G, 64, num_warps=4, tma=True)
 
 # (batch, S_r, config): B = 1, 8 (at most 8 rows: one TMA box), 13 (padded to 16 and sliced back),
 # 24 (a multiple of 8); two and three CTAs of 64 gate rows; rings of 2 to 4 stages; K
-# split 2 and 4 ways (XLA sums the partials and runs situ); x in a ring of its own, of 2 stages
-# and of 3 (more than the 2 steps of a K chunk).
+# split 2 and 4 ways (XLA sums the partials and runs situ).
 @pytest.mark.parametrize("batch, s_r, config", [
     (1, 128, TMA(64, split_k=1, num_stages=2)),
     (8, 192, TMA(128, split_k=1, num_stages=2)),
@@ -298,8 +297,6 @@ TMA = functools.partial(G, 64, num_warps=4, tma=True)
     (24, 128, TMA(64, split_k=1, num_stages=4)),
     (1, 128, TMA(64, split_k=2, num_stages=2)),
     (13, 64, TMA(32, split_k=4, num_stages=2)),
-    (24, 128, TMA(64, split_k=1, num_stages=3, x_stages=2)),
-    (5, 128, TMA(32, split_k=2, num_stages=2, x_stages=3)),
 ])
 def test_interpret_tma_gate_up_situ_matches_reference_exactly(batch, s_r, config):
     """The TMA gate/up in Mosaic GPU's interpret mode: bit for bit reference.situ of the exact
@@ -321,7 +318,6 @@ def test_interpret_tma_gate_up_situ_matches_reference_exactly(batch, s_r, config
     (16, 192, 128, TMA(128, split_k=1, num_stages=2)),
     (21, 64, 512, TMA(128, split_k=1, num_stages=3)),
     (9, 128, 512, TMA(64, split_k=4, num_stages=2)),
-    (21, 64, 512, TMA(64, split_k=1, num_stages=2, x_stages=3)),
 ])
 def test_interpret_tma_down_matches_float64_exactly(out_dtype, batch, rows, depth, config):
     """The TMA down on small-integer operands, whose float32 product is exact: bfloat16 from the
@@ -413,15 +409,12 @@ def test_tma_schedule_lowers_for_h200_as_two_mosaic_kernels():
     """At K3's tp1 shapes: two Mosaic GPU kernels and no XLA dot; at B=37, not a multiple of 8, one
     pad of ``x`` and one slice of the output beside them. At tp8's, K split 14 ways and the float32
     partial sum: the same two kernels, XLA summing their partials (no dot either) and rounding gate
-    and up with ``reduce_precision`` (``reference.round_to_bfloat16``). With ``x`` in rings of its
-    own (``x_stages``) at tp1: the same two kernels."""
+    and up with ``reduce_precision`` (``reference.round_to_bfloat16``)."""
     for tp, config, out_dtype in (
         (1, se.SharedExpertConfig(TMA(128, split_k=1, num_stages=4),
                                   TMA(128, split_k=1, num_stages=6)), jnp.bfloat16),  # tp1 B=64's
         (8, se.SharedExpertConfig(TMA(64, split_k=14, num_stages=4),
                                   TMA(64, split_k=1, num_stages=6)), jnp.float32),
-        (1, se.SharedExpertConfig(TMA(128, split_k=1, num_stages=5, x_stages=2),
-                                  TMA(64, split_k=1, num_stages=21, x_stages=3)), jnp.bfloat16),
     ):
         s_r = K3.with_tp(tp).shared_per_rank
         gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
@@ -532,35 +525,6 @@ def test_gpu_vector_schedule_matches_float64(tp):
             x, gate_up, down)
         assert got.dtype == jnp.float32 and got.shape == (batch, K3.hidden)
         assert_close_to_float64(got, want, 1e-2)
-
-
-@pytest.mark.gpu
-def test_gpu_tma_x_ring_matches_the_shared_stages_exactly():
-    """``x`` in a ring of its own (``x_stages`` 2 and 3, the weight's ring deeper or shallower than
-    it) sums the same wgmmas in the same order as ``x`` riding in the weight's stages: both kernels'
-    outputs equal bit for bit at K3's tp1 shapes, B = 7, 32 and 64."""
-    cfg = K3.with_tp(1)
-    _, gate_up, down = rank_slices(k3_weights(), cfg, 0, cfg.experts_per_rank)
-    plain = se.SharedExpertConfig(TMA(128, split_k=1, num_stages=4), TMA(64, split_k=1,
-                                                                         num_stages=6))
-    ringed = [se.SharedExpertConfig(TMA(128, split_k=1, num_stages=5, x_stages=2),
-                                    TMA(64, split_k=1, num_stages=21, x_stages=3)),
-              se.SharedExpertConfig(TMA(128, split_k=1, num_stages=2, x_stages=3),
-                                    TMA(64, split_k=1, num_stages=3, x_stages=2))]
-    for batch in (7, 32, 64):
-        x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
-        h = jax.random.normal(jax.random.key(batch + 1), (batch, cfg.shared_per_rank)
-                              ).astype(jnp.bfloat16)
-
-        def run(config):
-            gu = jax.jit(lambda x, w: se.gate_up_situ(x, w, 4.0, 25.0, config=config.gate_up))
-            dn = jax.jit(lambda h, w: se.down_proj(h, w, jnp.float32, config=config.down))
-            return np.asarray(gu(x, gate_up)), np.asarray(dn(h, down))
-
-        want = run(plain)
-        for config in ringed:
-            for got, expected in zip(run(config), want):
-                np.testing.assert_array_equal(got, expected, err_msg=f"B={batch} {config}")
 
 
 @pytest.mark.gpu
