@@ -41,7 +41,7 @@ ROWS = 64
 BETA, LINEAR_BETA = 4.0, 25.0
 
 
-def _ws_kernel(x, w, n_out, epilogue, *, block_k, depth, cluster, interpret, name):
+def _ws_kernel(x, w, n_out, epilogue, *, block_k, depth, cluster, name, interpret=False):
     """``out[:, 64 t : 64 t + 64] = epilogue(*accs)`` for row tile ``t`` of ``n_out // 64``, where
     ``accs[p]`` is the float32 ``[64, Bp]`` product of ``x`` with the weight rows
     ``p * n_out + 64 t ...`` (gate/up: ``p`` = 0, 1; down: ``p`` = 0)."""
