@@ -92,7 +92,6 @@ from moe_front_jax.pallas.streaming import (
     GemmConfig,
     StreamK,
     core_count,
-    device_kind,
     finish_split_k,
     masked_load,
     measured_faster,
@@ -101,6 +100,7 @@ from moe_front_jax.pallas.streaming import (
     split_k_workspace,
     stream_k,
     table_entries,
+    table_kind,
     vector_stream,
 )
 
@@ -164,7 +164,7 @@ def pick_config(
 ) -> FrontGemmConfig:
     """The table's entry for this shape (with or without the plan epilogue) on the target device,
     else ``heuristic_config``."""
-    table = load_table(device_kind())
+    table = load_table(table_kind())
     # The batch's own power of two (the vector schedules are tuned per small batch), then the
     # tensor-core batch tile it pads to.
     for key in (table_key(valid, shard, hidden, batch), table_key(valid, shard, hidden,

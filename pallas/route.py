@@ -94,6 +94,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_front_jax import reference
 from moe_front_jax.config import FrontConfig
+from moe_front_jax.pallas.streaming import table_kind
 
 MAX_LANES = 4096
 """Widest padded row a program holds in registers (E up to 4096 experts)."""
@@ -164,14 +165,6 @@ H200_TABLE: dict[tuple[int, int], list[tuple[int, RouteConfig]]] = {
 TABLES = {"NVIDIA H200": H200_TABLE}
 
 
-def device_kind() -> str:
-    """Kind of the device being compiled for: the abstract mesh's, or the default device's."""
-    abstract = jax.sharding.get_abstract_mesh().abstract_device
-    if abstract is not None:
-        return abstract.device_kind
-    return jax.devices()[0].device_kind
-
-
 def heuristic_config(batch: int, experts: int, top_k: int) -> RouteConfig:
     """One row per program (decode batches never fill the SMs twice over), a warp per 256 lanes
     (between 1 and 8), and the groups selection (faster than argmax at every batch of the H200
@@ -182,7 +175,7 @@ def heuristic_config(batch: int, experts: int, top_k: int) -> RouteConfig:
 
 def pick_config(batch: int, experts: int, top_k: int) -> RouteConfig:
     """The device's table entry for this shape, else ``heuristic_config``."""
-    for limit, config in TABLES.get(device_kind(), {}).get((experts, top_k), []):
+    for limit, config in TABLES.get(table_kind(), {}).get((experts, top_k), []):
         if batch <= limit:
             return config
     return heuristic_config(batch, experts, top_k)

@@ -103,7 +103,6 @@ from moe_front_jax.pallas.streaming import (
     GemmConfig,
     StreamK,
     core_count,
-    device_kind,
     finish_split_k,
     masked_load,
     measured_faster,
@@ -112,6 +111,7 @@ from moe_front_jax.pallas.streaming import (
     split_k_workspace,
     stream_k,
     table_entries,
+    table_kind,
     vector_stream,
 )
 
@@ -191,7 +191,7 @@ def heuristic_config(shared_per_rank: int, hidden: int, batch: int, cores: int) 
 
 def pick_config(shared_per_rank: int, hidden: int, batch: int) -> SharedExpertConfig:
     """The table's entry for this shape on the target device, else ``heuristic_config``."""
-    table = load_table(device_kind())
+    table = load_table(table_kind())
     # The batch's own power of two (vector schedules are tuned per small batch), then the
     # tensor-core batch tile it pads to.
     for size in (batch, padded_batch(batch)):

@@ -144,6 +144,19 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
+TABLES_OF = {"NVIDIA H100 80GB HBM3": "NVIDIA H200"}
+"""Device kinds that take another kind's schedule tables: the H100 SXM has the H200's 132 SMs,
+227 KiB of shared memory per block and 50 MB of L2 (only the HBM differs, 3.35 against 4.8 TB/s),
+and the H200's tables beat the heuristic's schedules on it (benchmarks/RESULTS.md, sixteenth
+session). Where ``backend="auto"`` runs a kernel stays the device's own (``AUTO_FILES``)."""
+
+
+def table_kind() -> str:
+    """The device kind whose schedule tables the target device takes (``TABLES_OF``, else its own)."""
+    kind = device_kind()
+    return TABLES_OF.get(kind, kind)
+
+
 def core_count(default: int = 132) -> int:
     """Streaming multiprocessors of the target device (the abstract mesh's when lowering ahead of
     time), ``default`` where unknown."""

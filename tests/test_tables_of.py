@@ -1,0 +1,67 @@
+"""Which schedule table a device kind takes: its own, another kind's (``streaming.TABLES_OF``: the
+H100 SXM borrows the H200's), or none (the heuristic's schedules). The auto tables (where
+``backend="auto"`` runs a GEMM kernel) stay per kind."""
+
+import jax
+from jax.sharding import AbstractDevice, AbstractMesh
+
+import moe_front_jax as mf
+from moe_front_jax.params import padded_split
+from moe_front_jax.pallas import front_gemm as fg
+from moe_front_jax.pallas import route as rt
+from moe_front_jax.pallas import shared_expert as se
+from moe_front_jax.pallas import streaming
+
+K3 = mf.KIMI_K3
+H100 = "NVIDIA H100 80GB HBM3"
+BATCHES = (1, 2, 8, 64, 256)
+
+
+def schedules(kind: str) -> dict:
+    """Each kernel's schedule at the K3 shapes of tp 1 and 8, lowered for a 132-SM ``kind``; and
+    whether the auto table has the shared expert's kernel faster than XLA at tp1 B=1."""
+    device = AbstractDevice(device_kind=kind, num_cores=132, platform="cuda")
+    out = {}
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+        for tp in (1, 8):
+            c = K3.with_tp(tp)
+            for b in BATCHES:
+                for plan in (False, True):
+                    out["front_gemm", tp, b, plan] = fg.pick_config(
+                        c.experts_per_rank, c.latent_per_rank, c.hidden, b, plan=plan)
+                out["route", tp, b] = rt.pick_config(b, c.experts, c.top_k)
+                if b <= 64:
+                    out["shared_expert", tp, b] = se.pick_config(c.shared_per_rank, c.hidden, b)
+        out["auto runs the kernel"] = streaming.measured_faster(
+            "shared_expert", se.table_key(K3.shared_per_rank, K3.hidden, 1))
+    return out
+
+
+def heuristics() -> dict:
+    """The same schedules as ``schedules`` gives a kind with no table."""
+    out = {}
+    for tp in (1, 8):
+        c = K3.with_tp(tp)
+        for b in BATCHES:
+            for plan in (False, True):
+                out["front_gemm", tp, b, plan] = fg.heuristic_config(
+                    c.experts_per_rank, c.latent_per_rank, c.hidden, b, cores=132)
+            out["route", tp, b] = rt.heuristic_config(b, c.experts, c.top_k)
+            if b <= 64:
+                out["shared_expert", tp, b] = se.heuristic_config(c.shared_per_rank, c.hidden, b, 132)
+    return out
+
+
+def test_the_h100_takes_the_h200_schedules_but_not_its_auto_table():
+    assert streaming.TABLES_OF[H100] == "NVIDIA H200"
+    h100, h200 = schedules(H100), schedules("NVIDIA H200")
+    assert h200.pop("auto runs the kernel")  # the H200's auto table measured the kernel faster
+    assert not h100.pop("auto runs the kernel")  # measured on the H200, not here: XLA
+    assert h100 == h200
+    assert h100 != heuristics()  # the tables do choose other schedules
+
+
+def test_a_kind_without_a_table_gets_the_heuristic():
+    other = schedules("NVIDIA B200")
+    assert not other.pop("auto runs the kernel")
+    assert other == heuristics()
