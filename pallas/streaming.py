@@ -148,7 +148,7 @@ TABLES_OF = {"NVIDIA H100 80GB HBM3": "NVIDIA H200"}
 """Device kinds that take another kind's schedule tables: the H100 SXM has the H200's 132 SMs,
 227 KiB of shared memory per block and 50 MB of L2 (only the HBM differs, 3.35 against 4.8 TB/s),
 and the H200's tables beat the heuristic's schedules on it (benchmarks/RESULTS.md, sixteenth
-session). Where ``backend="auto"`` runs a kernel stays the device's own (``AUTO_FILES``)."""
+session). Where ``backend="auto"`` runs a kernel is the device's own measurement (``AUTO_FILES``)."""
 
 
 def table_kind() -> str:
@@ -174,7 +174,7 @@ def table_entries(file_name: str) -> dict[str, dict]:
     return json.loads(text)["entries"]
 
 
-AUTO_FILES = {"NVIDIA H200": "h200_auto.json"}
+AUTO_FILES = {"NVIDIA H200": "h200_auto.json", "NVIDIA H100 80GB HBM3": "h100_auto.json"}
 """Per device kind, under ``pallas/tuning/``: where ``backend="auto"`` runs a GEMM kernel rather than
 the XLA reference (``benchmarks/auto_table.py`` makes it from benchmark runs)."""
 

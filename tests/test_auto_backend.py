@@ -30,12 +30,16 @@ def auto_entries(stage):
     return streaming.table_entries(streaming.AUTO_FILES[H200.device_kind])[stage]
 
 
-def test_the_table_is_what_auto_table_makes_of_the_runs_it_names(monkeypatch):
+@pytest.mark.parametrize("kind", sorted(streaming.AUTO_FILES))
+def test_the_table_is_what_auto_table_makes_of_the_runs_it_names(monkeypatch, kind):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import auto_table
 
-    shipped = json.loads((ROOT / "pallas" / "tuning" / "h200_auto.json").read_text())
+    shipped = json.loads((ROOT / "pallas" / "tuning" / streaming.AUTO_FILES[kind]).read_text())
+    assert shipped["device_kind"] == kind
     assert shipped["margin"] == auto_table.MARGIN
+    for run in shipped["front"] + shipped["shared"]:  # measured on that kind
+        assert json.loads((ROOT / auto_table.run_file(run)[0]).read_text())["device"] == kind, run
     rebuilt = auto_table.build([str(ROOT / p) for p in shipped["front"]],
                                [str(ROOT / p) for p in shipped["shared"]])
     assert rebuilt == shipped["entries"]

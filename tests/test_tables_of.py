@@ -19,7 +19,7 @@ BATCHES = (1, 2, 8, 64, 256)
 
 def schedules(kind: str) -> dict:
     """Each kernel's schedule at the K3 shapes of tp 1 and 8, lowered for a 132-SM ``kind``; and
-    whether the auto table has the shared expert's kernel faster than XLA at tp1 B=1."""
+    whether the kind's auto table has the front GEMM's kernel faster than XLA at tp1 B=64."""
     device = AbstractDevice(device_kind=kind, num_cores=132, platform="cuda")
     out = {}
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
@@ -33,7 +33,7 @@ def schedules(kind: str) -> dict:
                 if b <= 64:
                     out["shared_expert", tp, b] = se.pick_config(c.shared_per_rank, c.hidden, b)
         out["auto runs the kernel"] = streaming.measured_faster(
-            "shared_expert", se.table_key(K3.shared_per_rank, K3.hidden, 1))
+            "front_gemm", fg.table_key(K3.experts, K3.latent, K3.hidden, 64))
     return out
 
 
@@ -55,8 +55,9 @@ def heuristics() -> dict:
 def test_the_h100_takes_the_h200_schedules_but_not_its_auto_table():
     assert streaming.TABLES_OF[H100] == "NVIDIA H200"
     h100, h200 = schedules(H100), schedules("NVIDIA H200")
-    assert h200.pop("auto runs the kernel")  # the H200's auto table measured the kernel faster
-    assert not h100.pop("auto runs the kernel")  # measured on the H200, not here: XLA
+    # Each kind's own measurement: at tp1 B=64 the front GEMM's kernel beat XLA on the H100 by more
+    # than the margin (30.0 us against 34.0 and 38.0, sixteenth session), not on the H200.
+    assert h100.pop("auto runs the kernel") and not h200.pop("auto runs the kernel")
     assert h100 == h200
     assert h100 != heuristics()  # the tables do choose other schedules
 
