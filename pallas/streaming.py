@@ -147,8 +147,9 @@ def device_kind() -> str:
 TABLES_OF = {"NVIDIA H100 80GB HBM3": "NVIDIA H200"}
 """Device kinds that take another kind's schedule tables: the H100 SXM has the H200's 132 SMs,
 227 KiB of shared memory per block and 50 MB of L2 (only the HBM differs, 3.35 against 4.8 TB/s),
-and the H200's tables beat the heuristic's schedules on it (benchmarks/RESULTS.md, sixteenth
-session). Where ``backend="auto"`` runs a kernel is the device's own measurement (``AUTO_FILES``)."""
+and on it the H200's tables beat or tie the heuristic's schedules at every shape measured but one
+(benchmarks/RESULTS.md, sixteenth session). Where ``backend="auto"`` runs a kernel is each kind's
+own measurement (``AUTO_FILES``)."""
 
 
 def table_kind() -> str:
