@@ -6,7 +6,6 @@ import jax
 from jax.sharding import AbstractDevice, AbstractMesh
 
 import moe_front_jax as mf
-from moe_front_jax.params import padded_split
 from moe_front_jax.pallas import front_gemm as fg
 from moe_front_jax.pallas import route as rt
 from moe_front_jax.pallas import shared_expert as se
@@ -17,39 +16,43 @@ H100 = "NVIDIA H100 80GB HBM3"
 BATCHES = (1, 2, 8, 64, 256)
 
 
-def schedules(kind: str) -> dict:
-    """Each kernel's schedule at the K3 shapes of tp 1 and 8, lowered for a 132-SM ``kind``; and
-    whether the kind's auto table has the front GEMM's kernel faster than XLA at tp1 B=64."""
-    device = AbstractDevice(device_kind=kind, num_cores=132, platform="cuda")
+def over_shapes(front_gemm, route, shared_expert) -> dict:
+    """``front_gemm(c, b, plan)``, ``route(c, b)`` and ``shared_expert(c, b)`` for ``c`` the K3
+    config at tp 1 and 8 and ``b`` in ``BATCHES`` (the shared expert's up to 64), by key."""
     out = {}
+    for tp in (1, 8):
+        c = K3.with_tp(tp)
+        for b in BATCHES:
+            for plan in (False, True):
+                out["front_gemm", tp, b, plan] = front_gemm(c, b, plan)
+            out["route", tp, b] = route(c, b)
+            if b <= 64:
+                out["shared_expert", tp, b] = shared_expert(c, b)
+    return out
+
+
+def schedules(kind: str) -> dict:
+    """Each kernel's schedule (``over_shapes``), lowered for a 132-SM ``kind``; and whether the
+    kind's auto table has the front GEMM's kernel faster than XLA at tp1 B=64."""
+    device = AbstractDevice(device_kind=kind, num_cores=132, platform="cuda")
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
-        for tp in (1, 8):
-            c = K3.with_tp(tp)
-            for b in BATCHES:
-                for plan in (False, True):
-                    out["front_gemm", tp, b, plan] = fg.pick_config(
-                        c.experts_per_rank, c.latent_per_rank, c.hidden, b, plan=plan)
-                out["route", tp, b] = rt.pick_config(b, c.experts, c.top_k)
-                if b <= 64:
-                    out["shared_expert", tp, b] = se.pick_config(c.shared_per_rank, c.hidden, b)
+        out = over_shapes(
+            lambda c, b, plan: fg.pick_config(c.experts_per_rank, c.latent_per_rank, c.hidden, b,
+                                              plan=plan),
+            lambda c, b: rt.pick_config(b, c.experts, c.top_k),
+            lambda c, b: se.pick_config(c.shared_per_rank, c.hidden, b))
         out["auto runs the kernel"] = streaming.measured_faster(
             "front_gemm", fg.table_key(K3.experts, K3.latent, K3.hidden, 64))
     return out
 
 
 def heuristics() -> dict:
-    """The same schedules as ``schedules`` gives a kind with no table."""
-    out = {}
-    for tp in (1, 8):
-        c = K3.with_tp(tp)
-        for b in BATCHES:
-            for plan in (False, True):
-                out["front_gemm", tp, b, plan] = fg.heuristic_config(
-                    c.experts_per_rank, c.latent_per_rank, c.hidden, b, cores=132)
-            out["route", tp, b] = rt.heuristic_config(b, c.experts, c.top_k)
-            if b <= 64:
-                out["shared_expert", tp, b] = se.heuristic_config(c.shared_per_rank, c.hidden, b, 132)
-    return out
+    """The heuristic's schedules at ``schedules``' shapes (what a kind with no table gets)."""
+    return over_shapes(
+        lambda c, b, plan: fg.heuristic_config(c.experts_per_rank, c.latent_per_rank, c.hidden, b,
+                                               cores=132),
+        lambda c, b: rt.heuristic_config(b, c.experts, c.top_k),
+        lambda c, b: se.heuristic_config(c.shared_per_rank, c.hidden, b, 132))
 
 
 def test_the_h100_takes_the_h200_schedules_but_not_its_auto_table():
