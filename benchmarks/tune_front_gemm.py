@@ -258,17 +258,17 @@ def main() -> None:
         if (tp, bp) in plan_best:
             entries[key].update(plan_config=plan_best[(tp, bp)]["config"],
                                 plan_us=round(plan_best[(tp, bp)]["us"], 3))
+    name = fg.TABLE_FILES.get(kind, kind.lower().replace(" ", "_") + "_front_gemm.json")
     table = dict(
         device_kind=kind,
         generated=time.strftime("%Y-%m-%d"),
         command=earlier
-                + "python benchmarks/tune_front_gemm.py --table pallas/tuning/h200_front_gemm.json"
+                + f"python benchmarks/tune_front_gemm.py --table pallas/tuning/{name}"
                 + (" --refine <an earlier run's tune_front_gemm.json>" if previous else "")
                 + (f" --merge --tps {args.tps} --batches {args.batches}" if args.merge else ""),
         entries=entries,
     )
-    for path in filter(None, [args.table, os.path.join(args.out, os.path.basename(
-            fg.TABLE_FILES.get(kind, "front_gemm_table.json")))]):
+    for path in filter(None, [args.table, os.path.join(args.out, name)]):
         with open(path, "w") as f:
             json.dump(table, f, indent=1)
             f.write("\n")

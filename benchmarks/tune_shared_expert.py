@@ -330,14 +330,15 @@ def main() -> None:
                     gate_up_us=round(gu["us"], 3), down_us=round(dn["us"], 3),
                     us=round(gu["us"] + dn["us"], 3),
                 )
+    name = se.TABLE_FILES.get(kind, kind.lower().replace(" ", "_") + "_shared_expert.json")
     table = dict(device_kind=kind, generated=time.strftime("%Y-%m-%d"),
-                 command=earlier + "python benchmarks/tune_shared_expert.py --table "
-                         "pallas/tuning/h200_shared_expert.json"
+                 command=earlier + f"python benchmarks/tune_shared_expert.py --table "
+                         f"pallas/tuning/{name}"
                          + (f" --merge --tps {args.tps} --batches {args.batches}" if args.merge
                             else "")
                          + (f" --schedules {args.schedules}" if kinds != set(KINDS) else ""),
                  entries=entries)
-    for path in filter(None, [args.table, os.path.join(args.out, "h200_shared_expert.json")]):
+    for path in filter(None, [args.table, os.path.join(args.out, name)]):
         with open(path, "w") as f:
             json.dump(table, f, indent=1)
             f.write("\n")

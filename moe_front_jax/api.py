@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moe_front_jax import backends, parallel
 from moe_front_jax.bridge import mailbox as mailboxes
@@ -28,8 +29,10 @@ class FrontOutput(NamedTuple):
       weights: ``[B, K]`` bfloat16 routing weights.
       latent: ``[B, L]`` bfloat16, every rank's latent shard in rank order.
       logits: ``[B, E]`` float32 router logits of every expert.
-      shared: ``[B, H]`` bfloat16 shared-expert output (``[B, H / tp]`` with
-        ``shared_reduce="psum_scatter"``), or None when the params have no shared expert.
+      shared: ``[B, H]`` bfloat16 shared-expert output, or None when the params have no shared
+        expert. With ``shared_reduce="psum_scatter"``: inside your own ``shard_map``
+        (``axis_name``), this rank's ``[B, H / tp]`` columns; through ``shard_params``' params, the
+        global ``[B, H]`` array with its columns split over the mesh's devices.
       plan: ``(values float8_e4m3fn [B, L], scales float8_e8m0fnu [B, L / 32])`` with ``plan=True``,
         else None.
       status: int32 scalar: 0, or a mailbox timeout code.
@@ -48,8 +51,11 @@ def check_rows(x, cfg: FrontConfig) -> None:
     """``x`` must be a non-empty ``[B, H]`` bfloat16 array (checked at trace time)."""
     shape = getattr(x, "shape", None)
     dtype = getattr(x, "dtype", None)
-    if shape is None or len(shape) != 2 or shape[1] != cfg.hidden:
-        raise ValueError(f"x must have shape [B, hidden={cfg.hidden}], got {shape}")
+    if shape is None:
+        raise ValueError(f"x must be a [B, hidden={cfg.hidden}] bfloat16 array, got a "
+                         f"{type(x).__name__}")
+    if len(shape) != 2 or shape[1] != cfg.hidden:
+        raise ValueError(f"x must have shape [B, hidden={cfg.hidden}], got {tuple(shape)}")
     if shape[0] == 0:
         raise ValueError(f"x is an empty batch (shape {tuple(shape)}); B must be >= 1")
     if dtype != jnp.bfloat16:
@@ -67,6 +73,12 @@ def check_params(params) -> None:
         "packed": ((params.split + cfg.latent_per_rank, cfg.hidden), jnp.bfloat16),
         "bias": ((cfg.experts,), jnp.float32),
     }
+    if (params.gate_up is None) != (params.down is None):
+        given, missing = ("gate_up", "down") if params.down is None else ("down", "gate_up")
+        raise ValueError(
+            f"params.{given} is given but params.{missing} is None: the shared expert needs both "
+            "(or neither, for a model without one)"
+        )
     if params.gate_up is not None:
         expected["gate_up"] = ((2 * cfg.shared_per_rank, cfg.hidden), jnp.bfloat16)
         expected["down"] = ((cfg.hidden, cfg.shared_per_rank), jnp.bfloat16)
@@ -93,6 +105,10 @@ def moe_front(
 
     Args:
       x: ``[B, H]`` bfloat16 decode rows, ``B >= 1``.
+
+    ``plan``, ``backend``, ``axis_name`` and ``shared_reduce`` choose what is traced: under
+    ``jax.jit`` they are static (``jax.jit(moe_front, static_argnames=("plan", "backend"))``).
+
       params: ``FrontParams`` from ``pack_params``, or from ``shard_params`` (then the call runs under
         ``jax.shard_map`` over the params' mesh), or one rank's params with ``axis_name``.
       plan: also return the MXFP8 copy of the latent (``FrontOutput.plan``).
@@ -132,6 +148,11 @@ def moe_front(
       out = jax.jit(mf.moe_front)(x, params)      # x: [B, 7168] bfloat16
       out.ids, out.weights                         # [B, 16] int32, [B, 16] bfloat16
     """
+    if not isinstance(plan, (bool, np.bool_)):
+        raise ValueError(
+            f"plan must be a Python bool, got {type(plan).__name__} {plan!r}; under jax.jit pass it "
+            "as a static argument: jax.jit(moe_front, static_argnames=('plan',))"
+        )
     backends.check_backend(backend)
     parallel.check_shared_reduce(shared_reduce)
     options = dict(plan=plan, backend=backend, shared_reduce=shared_reduce)
@@ -204,21 +225,25 @@ def route(
       backend: as for ``moe_front``.
 
     Returns:
-      ``ids`` ``[B, K]`` int32 (16 distinct experts in ``[0, E)`` for any input, ties to the lower id,
+      ``ids`` ``[B, K]`` int32 (``cfg.top_k`` distinct experts in ``[0, E)`` for any input, ties to the lower id,
       NaN lowest) and ``weights`` ``[B, K]`` bfloat16.
     """
     backends.check_backend(backend)
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
     shape = getattr(logits, "shape", None)
-    if shape is None or len(shape) != 2 or shape[1] != cfg.experts:
-        raise ValueError(f"logits must have shape [B, experts={cfg.experts}], got {shape}")
+    if shape is None:
+        raise ValueError(f"logits must be a [B, experts={cfg.experts}] float32 array, got a "
+                         f"{type(logits).__name__}")
+    if len(shape) != 2 or shape[1] != cfg.experts:
+        raise ValueError(f"logits must have shape [B, experts={cfg.experts}], got {tuple(shape)}")
     if shape[0] == 0:
         raise ValueError(f"logits is an empty batch (shape {tuple(shape)}); B must be >= 1")
     if logits.dtype != jnp.float32:
         raise ValueError(f"logits must be float32, got {logits.dtype}")
     bias_shape = getattr(bias, "shape", None)
     if bias_shape is None or tuple(bias_shape) != (cfg.experts,) or bias.dtype != jnp.float32:
-        got = bias_shape if bias_shape is None else f"{tuple(bias_shape)} {bias.dtype}"
+        got = (f"a {type(bias).__name__}" if bias_shape is None
+               else f"{tuple(bias_shape)} {bias.dtype}")
         raise ValueError(f"bias must be ({cfg.experts},) float32, got {got}")
     return backends.stage("route", backend)(logits, bias, cfg)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,19 +44,27 @@ class FrontConfig:
     plan_block: int = 32
 
     def __post_init__(self):
+        for name in ("hidden", "experts", "top_k", "latent", "tp", "plan_block", "shared"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+                object.__setattr__(self, name, int(value))  # a NumPy integer is taken as its int
         for name in ("hidden", "experts", "top_k", "latent", "tp", "plan_block"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if type(value) is not int or value <= 0:
                 raise ValueError(f"FrontConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.shared, int) or isinstance(self.shared, bool) or self.shared < 0:
+        if type(self.shared) is not int or self.shared < 0:
             raise ValueError(f"FrontConfig.shared must be an int >= 0, got {self.shared!r}")
+        if not isinstance(self.renormalize, (bool, np.bool_)):
+            raise ValueError(f"FrontConfig.renormalize must be a bool, got {self.renormalize!r}")
+        object.__setattr__(self, "renormalize", bool(self.renormalize))
         if self.top_k > self.experts:
             raise ValueError(
                 f"FrontConfig.top_k={self.top_k} must be <= FrontConfig.experts={self.experts}"
             )
         for name in ("routed_scaling_factor", "situ_beta", "linear_beta"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            if (not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_))
+                    or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"FrontConfig.{name} must be a finite number > 0, got {value!r}")
         for name in ("experts", "latent", "shared"):
             value = getattr(self, name)

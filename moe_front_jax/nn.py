@@ -78,8 +78,9 @@ class MoEFront(nnx.Module):
       weights: the weights under the keys of SPEC section 2 (``mf.init_weights``' or
         ``mf.load_weights``' output), validated against ``cfg``, packed once here.
         ``MoEFront.from_checkpoint`` reads a checkpoint straight into the module (and into the shards).
-      shared: with ``rngs``, also draw the shared expert's weights (needs ``cfg.shared > 0``). With
-        ``weights`` the shared expert is there exactly when its keys are.
+      shared: with ``rngs``, also draw the shared expert's weights (needs ``cfg.shared > 0``); the
+        default, None, draws them exactly when ``cfg.shared > 0``. With ``weights`` the shared
+        expert is there exactly when its keys are.
       backend: the backend ``moe_front`` runs (``"auto"``, ``"xla"``, ``"pallas"``, ``"interpret"``).
       mesh: a ``jax.sharding.Mesh`` with ``axis`` to shard the weights over, or None for one device.
       axis: the tensor-parallel mesh axis (the name in the Params' annotations).
@@ -103,7 +104,7 @@ class MoEFront(nnx.Module):
         *,
         rngs: nnx.Rngs | None = None,
         weights: Mapping[str, jax.Array] | None = None,
-        shared: bool = True,
+        shared: bool | None = None,
         backend: str = "auto",
         mesh: Mesh | None = None,
         axis: str = TP,
@@ -124,10 +125,8 @@ class MoEFront(nnx.Module):
         if (rngs is None) == (weights is None):
             raise ValueError("give exactly one of rngs= (fresh weights) and weights= (given weights)")
         if weights is None:
-            if shared and not cfg.shared:
-                raise ValueError("shared=True needs FrontConfig.shared > 0, got 0")
             weights = P.init_weights(rngs.params(), cfg, shared=shared)
-        elif not shared:
+        elif shared is False:
             raise ValueError("shared=False applies to rngs=; with weights=, leave the shared keys out")
         if mesh is None:
             params = P.pack_params(weights, cfg)

@@ -9,6 +9,7 @@ the rank's slice of the shared expert. ``unpack_params`` turns every rank's shar
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping
 
 import jax
@@ -42,7 +43,8 @@ def weight_shapes(cfg: FrontConfig) -> dict[str, tuple[tuple[int, ...], jnp.dtyp
     return shapes
 
 
-def init_weights(key: jax.Array, cfg: FrontConfig, shared: bool = True) -> dict[str, jax.Array]:
+def init_weights(key: jax.Array, cfg: FrontConfig, shared: bool | None = None
+                 ) -> dict[str, jax.Array]:
     """Seeded random weights at realistic scales, under the keys of SPEC section 2.
 
     Projections are normal with standard deviation ``1 / sqrt(fan_in)``, so unit-variance rows give
@@ -51,14 +53,22 @@ def init_weights(key: jax.Array, cfg: FrontConfig, shared: bool = True) -> dict[
     Args:
       key: a ``jax.random`` key.
       cfg: the model's sizes.
-      shared: include the shared expert's weights (needs ``cfg.shared > 0``).
+      shared: include the shared expert's weights (True needs ``cfg.shared > 0``); the default,
+        None, includes them exactly when ``cfg.shared > 0``.
 
     Returns:
       ``{name: array}``: ``gate.weight`` ``[E, H]`` bf16, ``gate.e_score_correction_bias`` ``[E]`` f32,
       ``routed_down_weight`` ``[L, H]`` bf16, and with ``shared``
       ``shared_experts.gate_up_proj.weight`` ``[2S, H]`` and ``shared_experts.down_proj.weight``
       ``[H, S]`` bf16.
+
+    Raises:
+      ValueError: ``shared=True`` for a config without a shared expert (``cfg.shared == 0``).
     """
+    if shared is None:
+        shared = cfg.shared > 0
+    elif shared and not cfg.shared:
+        raise ValueError("init_weights: shared=True needs FrontConfig.shared > 0, got 0")
     keys = jax.random.split(key, 5)
 
     def normal(k, shape, fan_in):
@@ -70,7 +80,7 @@ def init_weights(key: jax.Array, cfg: FrontConfig, shared: bool = True) -> dict[
         BIAS: jax.random.uniform(keys[1], (cfg.experts,), jnp.float32, -0.05, 0.05),
         ROUTED_DOWN: normal(keys[2], (cfg.latent, h), h),
     }
-    if shared and cfg.shared:
+    if shared:
         weights[GATE_UP] = normal(keys[3], (2 * cfg.shared, h), h)
         weights[DOWN] = normal(keys[4], (h, cfg.shared), cfg.shared)
     return weights
@@ -188,8 +198,9 @@ def pack_params(
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
     check_weights(weights, cfg)
-    if not isinstance(rank, int) or not 0 <= rank < cfg.tp:
+    if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or not 0 <= rank < cfg.tp:
         raise ValueError(f"rank must be an int in [0, tp={cfg.tp}), got {rank!r}")
+    rank = int(rank)
     if not isinstance(split_align, int) or split_align <= 0:
         raise ValueError(f"split_align must be a positive int, got {split_align!r}")
     split = padded_split(cfg.experts_per_rank, split_align)

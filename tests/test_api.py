@@ -56,6 +56,45 @@ def test_moe_front_matches_oracles(batch):
     assert int(out.status) == 0
 
 
+def non_finite_case():
+    """Rows and weights with NaN and infinities (SPEC section 8): row 0 all NaN, row 1 all +inf,
+    row 2 +inf and -inf halves, row 3 finite; a NaN router row (expert 5) and an infinite latent
+    row; the result of every product is then NaN, inf or finite by row."""
+    x = np.asarray(rows(4), np.float32)
+    x[0], x[1], x[2, :128], x[2, 128:] = np.nan, np.inf, np.inf, -np.inf
+    w = dict(mf.init_weights(jax.random.key(0), SMALL))
+    gate = np.asarray(w[mf.params.GATE], np.float32)
+    gate[5] = np.nan
+    down = np.asarray(w[mf.params.ROUTED_DOWN], np.float32)
+    down[3] = np.inf
+    w[mf.params.GATE] = jnp.asarray(gate, jnp.bfloat16)
+    w[mf.params.ROUTED_DOWN] = jnp.asarray(down, jnp.bfloat16)
+    return jnp.asarray(x, jnp.bfloat16), mf.pack_params(w, SMALL)
+
+
+def assert_distinct_ids_in_range(ids, experts):
+    ids = np.asarray(ids)
+    assert ((ids >= 0) & (ids < experts)).all()
+    assert all(len(set(row)) == len(row) for row in ids.tolist())
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_non_finite_rows_and_weights_give_distinct_ids(backend):
+    x, params = non_finite_case()
+    out = front(x, params, plan=True, backend=backend)
+    assert_distinct_ids_in_range(out.ids, SMALL.experts)
+    assert int(out.status) == 0
+    box = mf.Mailbox.create(SMALL, capacity=4)
+    through, _ = jax.jit(functools.partial(mf.moe_front, backend=backend, plan=True))(
+        x, params, mailbox=box)
+    assert_distinct_ids_in_range(through.ids, SMALL.experts)
+    assert int(through.status) == 0
+    np.testing.assert_array_equal(through.ids, out.ids)
+    # The finite row is routed as ever; the all-NaN row takes the lowest ids (NaN keys, ties low).
+    np.testing.assert_array_equal(out.ids[3], front(x[3:], params, backend=backend).ids[0])
+    np.testing.assert_array_equal(out.ids[0], np.arange(SMALL.top_k))
+
+
 def test_optional_outputs_are_none():
     out = front(rows(2), small_params(shared=False))
     assert out.shared is None and out.plan is None
@@ -98,6 +137,8 @@ def test_kimi_k3_defaults():
         ("latent", 3600, "FrontConfig.latent=3600 must be divisible by plan_block=32"),
         ("routed_scaling_factor", float("nan"), "routed_scaling_factor must be a finite number"),
         ("top_k", 16.0, "FrontConfig.top_k must be a positive int, got 16.0"),
+        ("top_k", True, "FrontConfig.top_k must be a positive int, got True"),
+        ("renormalize", "no", "FrontConfig.renormalize must be a bool, got 'no'"),
     ],
 )
 def test_config_errors(field, value, message):
@@ -120,6 +161,30 @@ def test_bad_rows_raise_at_trace_time(x, message):
         jax.jit(mf.moe_front).trace(x, small_params())
 
 
+def test_numpy_scalars_are_taken_as_python_numbers():
+    cfg = dataclasses.replace(mf.KIMI_K3, hidden=np.int64(7168), routed_scaling_factor=np.float32(2.5),
+                              renormalize=np.bool_(False))
+    assert type(cfg.hidden) is int and type(cfg.renormalize) is bool
+    assert cfg == dataclasses.replace(mf.KIMI_K3, routed_scaling_factor=2.5, renormalize=False)
+    w = mf.init_weights(jax.random.key(0), SMALL)
+    np.testing.assert_array_equal(mf.pack_params(w, SMALL.with_tp(2), rank=np.int64(1)).packed,
+                                  mf.pack_params(w, SMALL.with_tp(2), rank=1).packed)
+
+
+def test_non_arrays_are_named():
+    with pytest.raises(ValueError, match=r"x must be a \[B, hidden=256\] bfloat16 array, got a list"):
+        mf.moe_front([[0.0] * 256], small_params())
+    with pytest.raises(ValueError, match=r"bias must be \(128,\) float32, got a list"):
+        mf.route(jnp.zeros((2, 128), jnp.float32), [0.0] * 128, SMALL)
+
+
+def test_a_traced_plan_says_to_make_it_static():
+    with pytest.raises(ValueError, match=r"plan must be a Python bool, got .*static_argnames"):
+        jax.jit(mf.moe_front)(rows(1), small_params(), plan=True)
+    out = jax.jit(mf.moe_front, static_argnames="plan")(rows(1), small_params(), plan=True)
+    assert out.plan[0].shape == (1, SMALL.latent)
+
+
 def test_bad_params():
     params = small_params()
     with pytest.raises(ValueError, match="params must be FrontParams"):
@@ -129,6 +194,10 @@ def test_bad_params():
         mf.moe_front(rows(1), wrong)
     with pytest.raises(ValueError, match="backend must be one of"):
         mf.moe_front(rows(1), params, backend="cuda")
+    for given, missing in (("gate_up", "down"), ("down", "gate_up")):
+        half = dataclasses.replace(params, **{missing: None})
+        with pytest.raises(ValueError, match=f"params.{given} is given but params.{missing} is None"):
+            mf.moe_front(rows(1), half)
     sharded = mf.pack_params(mf.init_weights(jax.random.key(0), SMALL), SMALL.with_tp(2), rank=1)
     with pytest.raises(ValueError, match="one rank's shard of tp=2"):
         mf.moe_front(rows(1), sharded)
@@ -168,6 +237,8 @@ def test_missing_kernel_names_its_issue(monkeypatch):
     monkeypatch.setitem(backends.PENDING, "route", "issue #3 (the routing kernel)")
     with pytest.raises(NotImplementedError, match=r"no Pallas kernel for the route stage yet; .*issue #3"):
         backends.stage("route", "pallas")
+    # On a GPU "auto" falls back to the reference for a stage without a kernel.
+    monkeypatch.setattr(backends, "on_gpu", lambda: True)
     assert backends.stage("route", "auto") is backends.REFERENCE["route"]
     with pytest.raises(ValueError, match="unknown stage 'topk'"):
         backends.stage("topk", "xla")

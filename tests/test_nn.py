@@ -1,6 +1,7 @@
 """mf.nn.MoEFront: the NNX module against mf.moe_front, alone and inside a small decode model; its
 Params in FrontParams' layout, read from a checkpoint, and passed straight to the front GEMM."""
 
+import dataclasses
 import functools
 import math
 import re
@@ -176,9 +177,12 @@ def test_bad_arguments_raise_value_error():
         mf.nn.MoEFront(CFG, rngs=nnx.Rngs(0), weights=weights)
     with pytest.raises(ValueError, match="backend must be one of"):
         mf.nn.MoEFront(CFG, weights=weights, backend="cuda")
+    no_shared = dataclasses.replace(CFG, shared=0)
     with pytest.raises(ValueError, match="shared=True needs"):
-        mf.nn.MoEFront(mf.FrontConfig(hidden=128, experts=64, top_k=8, latent=128, shared=0),
-                       rngs=nnx.Rngs(0))
+        mf.nn.MoEFront(no_shared, rngs=nnx.Rngs(0), shared=True)
+    # By default the module draws a shared expert exactly when the config has one.
+    assert mf.nn.MoEFront(no_shared, rngs=nnx.Rngs(0))(rows(2)).shared is None
+    assert mf.nn.MoEFront(CFG, rngs=nnx.Rngs(0))(rows(2)).shared.shape == (2, CFG.hidden)
     bad = dict(weights, **{P.ROUTED_DOWN: weights[P.ROUTED_DOWN][:-1]})
     with pytest.raises(ValueError, match=re.escape(repr(P.ROUTED_DOWN))):
         mf.nn.MoEFront(CFG, weights=bad)

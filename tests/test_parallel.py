@@ -77,8 +77,23 @@ def front(x, params, **options):
     return jax.jit(functools.partial(mf.moe_front, **options))(x, params)
 
 
+def assert_every_device_holds_the_same(out):
+    """``np.asarray`` of a replicated output reads one device's copy; every device's must hold the
+    same bits (out_specs=P() with check_vma=False takes each rank's result as it is)."""
+    for name, field in zip(out._fields, out):
+        for array in field if isinstance(field, tuple) else (field,):
+            if array is None or not array.sharding.is_fully_replicated:
+                continue
+            copies = [np.asarray(s.data) for s in array.addressable_shards]
+            bits = [c.view(f"u{c.dtype.itemsize}") for c in copies]
+            for shard, b in zip(array.addressable_shards[1:], bits[1:]):
+                np.testing.assert_array_equal(b, bits[0], err_msg=f"{name} on {shard.device}")
+
+
 def assert_matches_unsharded(out, cfg, b=ROWS, plan=False):
-    """ids, weights, latent and plan equal; logits to float32 rounding; shared within bf16 rounding."""
+    """ids, weights, latent and plan equal; logits to float32 rounding; shared within bf16 rounding;
+    the same on every device."""
+    assert_every_device_holds_the_same(out)
     expected = unsharded(cfg, b)
     np.testing.assert_array_equal(out.ids, expected["ids"])
     np.testing.assert_array_equal(out.weights, expected["weights"])
@@ -146,6 +161,20 @@ def test_sharded_front_matches_unsharded_reference(tp, shared_reduce):
             shard = next(s for s in out.shared.addressable_shards if s.device == device)
             columns = np.arange(CFG.hidden)[shard.index[1]]
             np.testing.assert_array_equal(columns, np.arange(rank * width, (rank + 1) * width))
+
+
+def test_non_finite_rows_route_to_distinct_ids_on_every_rank():
+    """SPEC section 8 under tp=8: an all-NaN row and an all-inf row still give top_k distinct ids
+    in range on every device (the NaN row its lowest ids), and the finite rows their reference's."""
+    params = mf.shard_params(weights(CFG), CFG, tp_mesh(8))
+    x = rows(CFG).at[0].set(jnp.nan).at[1].set(jnp.inf)
+    out = front(x, params, backend="xla")
+    assert_every_device_holds_the_same(out)
+    ids = np.asarray(out.ids)
+    assert ((ids >= 0) & (ids < CFG.experts)).all()
+    assert all(len(set(row)) == CFG.top_k for row in ids.tolist())
+    np.testing.assert_array_equal(ids[0], np.arange(CFG.top_k))
+    np.testing.assert_array_equal(ids[2:], unsharded(CFG)["ids"][2:])
 
 
 def test_sharded_front_without_shared_expert():
@@ -282,7 +311,9 @@ def test_axis_name_that_disagrees_with_params_is_refused():
 
 def assert_close_to_unsharded(out, cfg):
     """Kernels sum in another order than XLA: logits to float32 rounding, the latent to one bf16
-    ulp, the ids exactly the routing of the logits they got, and equal to the reference's."""
+    ulp, the ids exactly the routing of the logits they got, and equal to the reference's; the same
+    on every device."""
+    assert_every_device_holds_the_same(out)
     expected = unsharded(cfg)
     np.testing.assert_allclose(out.logits, expected["logits"], rtol=1e-5, atol=1e-5)
     ids, routing = reference.route(out.logits, weights(cfg)[BIAS], cfg)

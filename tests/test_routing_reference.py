@@ -111,6 +111,16 @@ def test_nan_bias_ranks_lowest_but_weighs_its_sigmoid():
     bias[3] = np.nan
     ids, _ = assert_matches_oracle(logits, bias)
     assert 3 not in ids[0]
+    # With every key NaN but two, the NaN-keyed experts fill the lowest ranks in id order, and
+    # expert 3 weighs its own sigmoid: sigmoid(10) against fifteen sigmoid(0) = 0.5.
+    bias[:] = np.nan
+    bias[[9, 2]] = 0.0
+    ids, weights = assert_matches_oracle(logits, bias)
+    np.testing.assert_array_equal(ids[0], [2, 9, 0, 1, *range(3, 9), *range(10, 16)])
+    s3 = 1.0 / (1.0 + np.exp(-10.0))
+    total = s3 + 15 * 0.5
+    assert weights[0, 4].astype(np.float32) == np.float32(s3 / total).astype(weights.dtype).astype(np.float32)
+    assert weights[0, 0].astype(np.float32) == np.float32(0.5 / total).astype(weights.dtype).astype(np.float32)
 
 
 def test_infinities():
