@@ -85,6 +85,47 @@ def test_interpret_equals_collect_then_route(cfg, batches, select):
         assert_armed(box, t + 1)
 
 
+EDGE = mf.FrontConfig(hidden=64, experts=64, top_k=8, latent=448, shared=0)
+
+
+@pytest.mark.parametrize("select", ["groups", "argmax"])
+def test_edge_values_through_the_collect_and_its_plan(select):
+    """SPEC sections 4, 5 and 8 through the kernel that collects: the plan of the edge blocks (NaN,
+    infinities, saturation at byte 254, +-448, the amax = 448 boundary, E4M3 ties and subnormals)
+    bit-equal to the reference plan and to each block's hand-derived scale byte; rows of NaN,
+    infinite and tied logits routed as the reference routes them, to top_k distinct ids."""
+    from test_plan_kernel import edge_latent
+
+    edges, want_bytes = edge_latent(EDGE.latent)
+    batch = 4
+    rng = np.random.default_rng(7)
+    latent = rng.normal(0, 3, (batch, EDGE.latent)).astype(edges.dtype)
+    latent[: len(edges)] = edges
+    logits = rng.normal(size=(batch, EDGE.experts)).astype(np.float32)
+    logits[0] = np.nan  # every key NaN: the lowest ids
+    logits[1, ::3], logits[1, 1::3] = np.inf, -np.inf  # sigmoid 1 and 0: bit-equal keys
+    logits[1, 2::6] = np.nan
+    logits[2] = 0.25  # one key for all: ties to the lower id
+    box = mb.publish(mf.Mailbox.create(EDGE, capacity=batch), jnp.asarray(logits),
+                     jnp.asarray(latent), backend="xla")
+    bias = jnp.zeros((EDGE.experts,), jnp.float32)
+    want = expected(box, bias, batch)
+    *got, box = interpret(box, bias, batch, with_plan=True, config=rt.RouteConfig(2, 4, select))
+    values, scales = got.pop(4)
+    plan = reference.mxfp8_plan(jnp.asarray(canonical_latent(latent)), EDGE.plan_block)
+    assert_bits_equal(values, plan[0])
+    assert_bits_equal(scales, plan[1])
+    np.testing.assert_array_equal(np.asarray(scales).view(np.uint8).reshape(-1)[: len(want_bytes)],
+                                  want_bytes)
+    for g, w in zip(got, want):
+        assert_bits_equal(g, w)
+    assert int(got[4]) == 0
+    ids = np.asarray(got[0])
+    assert all(len(set(row)) == EDGE.top_k for row in ids.tolist())
+    np.testing.assert_array_equal(ids[0], np.arange(EDGE.top_k))
+    np.testing.assert_array_equal(ids[2], np.arange(EDGE.top_k))
+
+
 def test_never_published_rows_time_out_and_the_mailbox_recovers():
     cfg, bias = SMALL, bias_of(SMALL, 1)
     box = mf.Mailbox.create(cfg, capacity=8)
@@ -92,6 +133,7 @@ def test_never_published_rows_time_out_and_the_mailbox_recovers():
     assert int(status) == mf.Mailbox.TIMEOUT
     assert np.all(np.asarray(logits).view(np.uint32) == SENTINEL)
     assert ((np.asarray(ids) >= 0) & (np.asarray(ids) < cfg.experts)).all()
+    assert all(len(set(row)) == cfg.top_k for row in np.asarray(ids).tolist())
     assert_armed(box, 0)
     # Rows beyond the published batch time out too; the next complete step is clean.
     box = mb.publish(box, *shards_with_negative_zeros(cfg, 2, seed=0), backend="xla")
