@@ -265,7 +265,8 @@ def main() -> None:
         command=earlier
                 + f"python benchmarks/tune_front_gemm.py --table pallas/tuning/{name}"
                 + (" --refine <an earlier run's tune_front_gemm.json>" if previous else "")
-                + (f" --merge --tps {args.tps} --batches {args.batches}" if args.merge else ""),
+                + f" --tps {args.tps} --batches {args.batches} --budget-s {args.budget_s:g}"
+                + (" --merge" if args.merge else ""),
         entries=entries,
     )
     for path in filter(None, [args.table, os.path.join(args.out, name)]):

@@ -334,8 +334,8 @@ def main() -> None:
     table = dict(device_kind=kind, generated=time.strftime("%Y-%m-%d"),
                  command=earlier + f"python benchmarks/tune_shared_expert.py --table "
                          f"pallas/tuning/{name}"
-                         + (f" --merge --tps {args.tps} --batches {args.batches}" if args.merge
-                            else "")
+                         + f" --tps {args.tps} --batches {args.batches} --budget-s {args.budget_s:g}"
+                         + (" --merge" if args.merge else "")
                          + (f" --schedules {args.schedules}" if kinds != set(KINDS) else ""),
                  entries=entries)
     for path in filter(None, [args.table, os.path.join(args.out, name)]):

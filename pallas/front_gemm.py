@@ -100,7 +100,7 @@ from moe_front_jax.pallas.streaming import (
     split_k_workspace,
     stream_k,
     table_entries,
-    table_kind,
+    table_kinds,
     vector_stream,
 )
 
@@ -164,14 +164,15 @@ def pick_config(
 ) -> FrontGemmConfig:
     """The table's entry for this shape (with or without the plan epilogue) on the target device,
     else ``heuristic_config``."""
-    table = load_table(table_kind())
+    tables = [load_table(kind) for kind in table_kinds()]
     # The batch's own power of two (the vector schedules are tuned per small batch), then the
-    # tensor-core batch tile it pads to.
+    # tensor-core batch tile it pads to; each in the device's own table, then the borrowed one.
     for key in (table_key(valid, shard, hidden, batch), table_key(valid, shard, hidden,
                                                                   padded_batch(batch))):
-        found = table.get((key, plan))
-        if found is not None:
-            return found
+        for table in tables:
+            found = table.get((key, plan))
+            if found is not None:
+                return found
     return heuristic_config(valid, shard, hidden, batch, core_count())
 
 

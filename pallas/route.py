@@ -94,7 +94,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_front_jax import reference
 from moe_front_jax.config import FrontConfig
-from moe_front_jax.pallas.streaming import table_kind
+from moe_front_jax.pallas.streaming import table_kinds
 
 MAX_LANES = 4096
 """Widest padded row a program holds in registers (E up to 4096 experts)."""
@@ -175,9 +175,10 @@ def heuristic_config(batch: int, experts: int, top_k: int) -> RouteConfig:
 
 def pick_config(batch: int, experts: int, top_k: int) -> RouteConfig:
     """The device's table entry for this shape, else ``heuristic_config``."""
-    for limit, config in TABLES.get(table_kind(), {}).get((experts, top_k), []):
-        if batch <= limit:
-            return config
+    for kind in table_kinds():
+        for limit, config in TABLES.get(kind, {}).get((experts, top_k), []):
+            if batch <= limit:
+                return config
     return heuristic_config(batch, experts, top_k)
 
 

@@ -111,11 +111,12 @@ from moe_front_jax.pallas.streaming import (
     split_k_workspace,
     stream_k,
     table_entries,
-    table_kind,
+    table_kinds,
     vector_stream,
 )
 
-TABLE_FILES = {"NVIDIA H200": "h200_shared_expert.json"}
+TABLE_FILES = {"NVIDIA H200": "h200_shared_expert.json",
+               "NVIDIA H100 80GB HBM3": "h100_shared_expert.json"}
 """Tuning table per device kind, under ``pallas/tuning/``."""
 SMEM_BUDGET = 160 * 1024
 """The heuristic's pipeline buffers per program stay under this."""
@@ -190,14 +191,16 @@ def heuristic_config(shared_per_rank: int, hidden: int, batch: int, cores: int) 
 
 
 def pick_config(shared_per_rank: int, hidden: int, batch: int) -> SharedExpertConfig:
-    """The table's entry for this shape on the target device, else ``heuristic_config``."""
-    table = load_table(table_kind())
+    """The table's entry for this shape on the target device (its own table's, else the one it
+    borrows, ``streaming.TABLES_OF``), else ``heuristic_config``."""
+    tables = [load_table(kind) for kind in table_kinds()]
     # The batch's own power of two (vector schedules are tuned per small batch), then the
-    # tensor-core batch tile it pads to.
+    # tensor-core batch tile it pads to; each in the device's own table, then the borrowed one.
     for size in (batch, padded_batch(batch)):
-        found = table.get(table_key(shared_per_rank, hidden, size))
-        if found is not None:
-            return found
+        for table in tables:
+            found = table.get(table_key(shared_per_rank, hidden, size))
+            if found is not None:
+                return found
     return heuristic_config(shared_per_rank, hidden, batch, core_count())
 
 
