@@ -1,6 +1,7 @@
 """Regenerate the front GEMM's tuning table on the GPU: pallas/tuning/<device>_front_gemm.json.
 
-For every tp shape of K3 and every batch rounded up to a power of two (1 ... 256) it compiles a
+For every tp shape of K3 and every batch rounded up to a power of two (1 ... 256) it compiles the
+schedule the key runs now (``--table``'s entry, else the package's pick on this device) and a
 pruned set of schedules (rows per program, K step, split-K, warps, pipeline depth, stream-K
 programs; up to B = 8 the vector schedules too), checks each against a float64 product of the same
 data (issue 4's bounds, which XLA's product is checked against too), times the correct ones with
@@ -152,11 +153,22 @@ def main() -> None:
     shapes = {tp: Shape.k3(tp) for tp in map(int, args.tps.split(","))}
     batches = list(map(int, args.batches.split(",")))
     previous = json.load(open(args.refine))["results"] if args.refine else None
+    current = json.load(open(args.table))["entries"] if args.table and os.path.exists(args.table) else {}
+
+    def now(shape, bp):
+        """The schedule a key runs now: its --table entry, else the package's pick on this device
+        (its table, the one it borrows, or the heuristic's), timed first so that a sweep cut short
+        by its budget still has it to beat."""
+        entry = current.get(fg.table_key(shape.valid, shape.shard, shape.hidden, bp))
+        if entry:
+            return fg.FrontGemmConfig(**entry["config"])
+        return fg.pick_config(shape.valid, shape.shard, shape.hidden, bp)
+
     per_key = [
-        [(tp, bp, cfg) for cfg in (neighbours(ranked(previous, tp, bp), bp) if previous
-                                   else candidates(shape, max(bp, 16))
-                                   + (vector_candidates(shape, bp)
-                                      if bp <= fg.VECTOR_MAX_BATCH else []))]
+        [(tp, bp, cfg) for cfg in dict.fromkeys(
+            neighbours(ranked(previous, tp, bp), bp) if previous
+            else [now(shape, bp)] + candidates(shape, max(bp, 16))
+            + (vector_candidates(shape, bp) if bp <= fg.VECTOR_MAX_BATCH else []))]
         for tp, shape in shapes.items()
         for bp in batches
     ]
