@@ -166,7 +166,17 @@ def mxfp8_plan(latent: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array
       ``values`` ``[B, L]`` float8_e4m3fn, ``float8_e4m3fn(clamp(v * inverse, -448, 448))`` rounded to
       nearest even, and ``scales`` ``[B, L / block]`` float8_e8m0fnu, ``amax / 448`` rounded up to a
       power of two (``plan_scale_exponent``); ``v * inverse`` as ``e8m0_scale_down`` computes it.
+
+    Raises:
+      ValueError: ``latent`` not ``[B, L]`` bfloat16 with ``L`` a multiple of ``block``.
     """
+    shape = getattr(latent, "shape", None)
+    if shape is None or len(shape) != 2 or latent.dtype != jnp.bfloat16:
+        got = f"{tuple(shape)} {latent.dtype}" if shape is not None else f"a {type(latent).__name__}"
+        raise ValueError(f"mxfp8_plan: latent must be a [B, L] bfloat16 array, got {got}")
+    if shape[1] % block:
+        raise ValueError(f"mxfp8_plan: latent's width L={shape[1]} must be a multiple of "
+                         f"block={block}")
     rows, width = latent.shape
     blocks = latent.astype(jnp.float32).reshape(rows, width // block, block)
     # amax as the integer max of |v|'s bits: float order for numbers and NaN above infinity. A float
@@ -215,7 +225,7 @@ def shared_expert(
       x: ``[B, H]`` bfloat16.
       gate_up: ``[2 S_r, H]`` bfloat16, this rank's gate rows then its up rows (``S_r = S / tp``).
       down: ``[H, S_r]`` bfloat16, this rank's columns of the down projection.
-
+      cfg: supplies ``situ_beta`` and ``linear_beta``.
       out_dtype: bfloat16 (the SPEC's output) or float32 (a partial sum to reduce before rounding).
 
     Returns:

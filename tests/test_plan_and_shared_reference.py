@@ -130,3 +130,10 @@ def test_front_gemm_rank_layout(tp):
         # than the value), then one bfloat16 rounding: within one ulp of the float64 value plus it.
         err = np.abs(np.asarray(shard, np.float64) - latent[:, lat])
         assert (err <= oracle.bf16_ulp(latent[:, lat]) + 1e-5 * latent_bound[:, lat]).all()
+
+
+def test_plan_reference_names_a_bad_latent():
+    with pytest.raises(ValueError, match="latent's width L=100 must be a multiple of block=32"):
+        reference.mxfp8_plan(jnp.zeros((2, 100), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"latent must be a \[B, L\] bfloat16 array, got \(2, 64\) float32"):
+        reference.mxfp8_plan(jnp.zeros((2, 64), jnp.float32))
