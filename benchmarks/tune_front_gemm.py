@@ -1,8 +1,8 @@
 """Regenerate the front GEMM's tuning table on the GPU: pallas/tuning/<device>_front_gemm.json.
 
 For every tp shape of K3 and every batch rounded up to a power of two (1 ... 256) it compiles the
-schedule the key runs now (``--table``'s entry, else the package's pick on this device) and a
-pruned set of schedules (rows per program, K step, split-K, warps, pipeline depth, stream-K
+schedule the key runs now (``--table``'s entry, else the package's pick on this device; not
+under ``--refine``) and a pruned set of schedules (rows per program, K step, split-K, warps, pipeline depth, stream-K
 programs; up to B = 8 the vector schedules too), checks each against a float64 product of the same
 data (issue 4's bounds, which XLA's product is checked against too), times the correct ones with
 CUPTI over weights rotated past the L2, and keeps the fastest.
@@ -275,7 +275,8 @@ def main() -> None:
         device_kind=kind,
         generated=time.strftime("%Y-%m-%d"),
         command=earlier
-                + f"python benchmarks/tune_front_gemm.py --table pallas/tuning/{name}"
+                + "python benchmarks/tune_front_gemm.py --table "
+                + (args.table or f"pallas/tuning/{name}")
                 + (" --refine <an earlier run's tune_front_gemm.json>" if previous else "")
                 + f" --tps {args.tps} --batches {args.batches} --budget-s {args.budget_s:g}"
                 + (" --merge" if args.merge else ""),

@@ -332,8 +332,8 @@ def main() -> None:
                 )
     name = se.TABLE_FILES.get(kind, kind.lower().replace(" ", "_") + "_shared_expert.json")
     table = dict(device_kind=kind, generated=time.strftime("%Y-%m-%d"),
-                 command=earlier + f"python benchmarks/tune_shared_expert.py --table "
-                         f"pallas/tuning/{name}"
+                 command=earlier + "python benchmarks/tune_shared_expert.py --table "
+                         + (args.table or f"pallas/tuning/{name}")
                          + f" --tps {args.tps} --batches {args.batches} --budget-s {args.budget_s:g}"
                          + (" --merge" if args.merge else "")
                          + (f" --schedules {args.schedules}" if kinds != set(KINDS) else ""),

@@ -73,12 +73,7 @@ def check_params(params) -> None:
         "packed": ((params.split + cfg.latent_per_rank, cfg.hidden), jnp.bfloat16),
         "bias": ((cfg.experts,), jnp.float32),
     }
-    if (params.gate_up is None) != (params.down is None):
-        given, missing = ("gate_up", "down") if params.down is None else ("down", "gate_up")
-        raise ValueError(
-            f"params.{given} is given but params.{missing} is None: the shared expert needs both "
-            "(or neither, for a model without one)"
-        )
+    parallel.check_shared_pair(params)
     if params.gate_up is not None:
         expected["gate_up"] = ((2 * cfg.shared_per_rank, cfg.hidden), jnp.bfloat16)
         expected["down"] = ((cfg.hidden, cfg.shared_per_rank), jnp.bfloat16)
@@ -103,12 +98,11 @@ def moe_front(
 ) -> FrontOutput | tuple[FrontOutput, mailboxes.Mailbox]:
     """The MoE front of one decode step: front GEMM, exact top-k routing, latent, shared expert.
 
-    Args:
-      x: ``[B, H]`` bfloat16 decode rows, ``B >= 1``.
-
     ``plan``, ``backend``, ``axis_name`` and ``shared_reduce`` choose what is traced: under
     ``jax.jit`` they are static (``jax.jit(moe_front, static_argnames=("plan", "backend"))``).
 
+    Args:
+      x: ``[B, H]`` bfloat16 decode rows, ``B >= 1``.
       params: ``FrontParams`` from ``pack_params``, or from ``shard_params`` (then the call runs under
         ``jax.shard_map`` over the params' mesh), or one rank's params with ``axis_name``.
       plan: also return the MXFP8 copy of the latent (``FrontOutput.plan``).
@@ -148,11 +142,14 @@ def moe_front(
       out = jax.jit(mf.moe_front)(x, params)      # x: [B, 7168] bfloat16
       out.ids, out.weights                         # [B, 16] int32, [B, 16] bfloat16
     """
-    if not isinstance(plan, (bool, np.bool_)):
+    if isinstance(plan, jax.core.Tracer):
         raise ValueError(
-            f"plan must be a Python bool, got {type(plan).__name__} {plan!r}; under jax.jit pass it "
-            "as a static argument: jax.jit(moe_front, static_argnames=('plan',))"
+            "plan is traced: under jax.jit pass it as a static argument, "
+            "jax.jit(moe_front, static_argnames=('plan',))"
         )
+    if not isinstance(plan, (bool, np.bool_)):
+        raise ValueError(f"plan must be a bool, got {type(plan).__name__} {plan!r}")
+    plan = bool(plan)
     backends.check_backend(backend)
     parallel.check_shared_reduce(shared_reduce)
     options = dict(plan=plan, backend=backend, shared_reduce=shared_reduce)
@@ -225,8 +222,8 @@ def route(
       backend: as for ``moe_front``.
 
     Returns:
-      ``ids`` ``[B, K]`` int32 (``cfg.top_k`` distinct experts in ``[0, E)`` for any input, ties to the lower id,
-      NaN lowest) and ``weights`` ``[B, K]`` bfloat16.
+      ``ids`` ``[B, K]`` int32 (``cfg.top_k`` distinct experts in ``[0, E)`` for any input, ties
+      to the lower id, NaN lowest) and ``weights`` ``[B, K]`` bfloat16.
     """
     backends.check_backend(backend)
     if not isinstance(cfg, FrontConfig):

@@ -46,7 +46,7 @@ class FrontConfig:
     def __post_init__(self):
         for name in ("hidden", "experts", "top_k", "latent", "tp", "plan_block", "shared"):
             value = getattr(self, name)
-            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 object.__setattr__(self, name, int(value))  # a NumPy integer is taken as its int
         for name in ("hidden", "experts", "top_k", "latent", "tp", "plan_block"):
             value = getattr(self, name)
@@ -63,9 +63,12 @@ class FrontConfig:
             )
         for name in ("routed_scaling_factor", "situ_beta", "linear_beta"):
             value = getattr(self, name)
-            if (not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_))
+            if (not isinstance(value, numbers.Real) or isinstance(value, bool)
                     or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"FrontConfig.{name} must be a finite number > 0, got {value!r}")
+            # A NumPy float is taken as its Python float: equal configs hash equal (jit's static
+            # arguments).
+            object.__setattr__(self, name, float(value))
         for name in ("experts", "latent", "shared"):
             value = getattr(self, name)
             if value % self.tp:

@@ -162,6 +162,16 @@ def shard_params(
     return FrontParams(**placed, cfg=cfg, split=split, mesh=mesh, axis=axis)
 
 
+def check_shared_pair(params: FrontParams) -> None:
+    """The shared expert's two weights come together or not at all."""
+    if (params.gate_up is None) != (params.down is None):
+        given, missing = ("gate_up", "down") if params.down is None else ("down", "gate_up")
+        raise ValueError(
+            f"params.{given} is given but params.{missing} is None: the shared expert needs both "
+            "(or neither, for a model without one)"
+        )
+
+
 def check_sharded_params(params: FrontParams) -> None:
     """Sharded params must hold global arrays matching their config.
 
@@ -173,6 +183,7 @@ def check_sharded_params(params: FrontParams) -> None:
     tp = mesh_tp(cfg, mesh, axis)
     if cfg.tp != tp:
         raise ValueError(f"params.cfg.tp={cfg.tp} but mesh axis {axis!r} has {tp} devices")
+    check_shared_pair(params)
     expected = {
         "packed": ((tp * (params.split + cfg.latent_per_rank), cfg.hidden), jnp.bfloat16),
         "bias": ((cfg.experts,), jnp.float32),

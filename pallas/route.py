@@ -174,7 +174,8 @@ def heuristic_config(batch: int, experts: int, top_k: int) -> RouteConfig:
 
 
 def pick_config(batch: int, experts: int, top_k: int) -> RouteConfig:
-    """The device's table entry for this shape, else ``heuristic_config``."""
+    """The device's table entry for this shape (its own table's, else the one it borrows,
+    ``streaming.TABLES_OF``), else ``heuristic_config``."""
     for kind in table_kinds():
         for limit, config in TABLES.get(kind, {}).get((experts, top_k), []):
             if batch <= limit:

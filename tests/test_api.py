@@ -165,7 +165,12 @@ def test_numpy_scalars_are_taken_as_python_numbers():
     cfg = dataclasses.replace(mf.KIMI_K3, hidden=np.int64(7168), routed_scaling_factor=np.float32(2.5),
                               renormalize=np.bool_(False))
     assert type(cfg.hidden) is int and type(cfg.renormalize) is bool
-    assert cfg == dataclasses.replace(mf.KIMI_K3, routed_scaling_factor=2.5, renormalize=False)
+    assert type(cfg.routed_scaling_factor) is float
+    plain = dataclasses.replace(mf.KIMI_K3, routed_scaling_factor=2.5, renormalize=False)
+    assert cfg == plain and hash(cfg) == hash(plain)  # one static argument to jit
+    inexact = dataclasses.replace(mf.KIMI_K3, routed_scaling_factor=np.float32(0.1))
+    assert inexact.routed_scaling_factor == float(np.float32(0.1))
+    assert type(inexact.routed_scaling_factor) is float
     w = mf.init_weights(jax.random.key(0), SMALL)
     np.testing.assert_array_equal(mf.pack_params(w, SMALL.with_tp(2), rank=np.int64(1)).packed,
                                   mf.pack_params(w, SMALL.with_tp(2), rank=1).packed)
@@ -179,8 +184,10 @@ def test_non_arrays_are_named():
 
 
 def test_a_traced_plan_says_to_make_it_static():
-    with pytest.raises(ValueError, match=r"plan must be a Python bool, got .*static_argnames"):
+    with pytest.raises(ValueError, match=r"plan is traced: .*static_argnames=\('plan',\)"):
         jax.jit(mf.moe_front)(rows(1), small_params(), plan=True)
+    with pytest.raises(ValueError, match="plan must be a bool, got int 1"):
+        mf.moe_front(rows(1), small_params(), plan=1)
     out = jax.jit(mf.moe_front, static_argnames="plan")(rows(1), small_params(), plan=True)
     assert out.plan[0].shape == (1, SMALL.latent)
 

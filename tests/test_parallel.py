@@ -181,6 +181,10 @@ def test_sharded_front_without_shared_expert():
     params = mf.shard_params(weights(CFG_NO_SHARED), CFG_NO_SHARED, tp_mesh(8))
     assert params.gate_up is None and params.down is None
     assert_matches_unsharded(front(rows(CFG_NO_SHARED), params, backend="xla"), CFG_NO_SHARED)
+    # Half the shared expert's pair is refused, not dropped.
+    params = mf.shard_params(weights(CFG), CFG, tp_mesh(8))
+    with pytest.raises(ValueError, match="params.down is given but params.gate_up is None"):
+        front(rows(CFG), dataclasses.replace(params, gate_up=None), backend="xla")
 
 
 @pytest.mark.parametrize(
