@@ -200,10 +200,10 @@ def pack_params(
     check_weights(weights, cfg)
     if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or not 0 <= rank < cfg.tp:
         raise ValueError(f"rank must be an int in [0, tp={cfg.tp}), got {rank!r}")
-    rank, split_align = int(rank), int(split_align)
     if (not isinstance(split_align, numbers.Integral) or isinstance(split_align, bool)
             or split_align <= 0):
         raise ValueError(f"split_align must be a positive int, got {split_align!r}")
+    rank, split_align = int(rank), int(split_align)  # a NumPy integer is taken as its int
     split = padded_split(cfg.experts_per_rank, split_align)
     packed, gate_up, down = rank_slices(weights, cfg, rank, split)
     return FrontParams(packed, jnp.asarray(weights[BIAS]), gate_up, down, cfg, split)

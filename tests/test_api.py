@@ -214,6 +214,9 @@ def test_bad_weights():
     w = dict(mf.init_weights(jax.random.key(0), SMALL))
     with pytest.raises(ValueError, match="rank must be an int in \\[0, tp=1\\), got 1"):
         mf.pack_params(w, SMALL, rank=1)
+    for align in (2.5, True, 0):
+        with pytest.raises(ValueError, match=f"split_align must be a positive int, got {align!r}"):
+            mf.pack_params(w, SMALL, split_align=align)
     w[mf.params.GATE] = w[mf.params.GATE][:-1]
     with pytest.raises(ValueError, match=r"weights\['gate.weight'\] is \(127, 256\) bfloat16, expected \(128, 256\)"):
         mf.pack_params(w, SMALL)
