@@ -1,9 +1,9 @@
 """Regenerate the front GEMM's tuning table on the GPU: pallas/tuning/<device>_front_gemm.json.
 
 For every tp shape of K3 and every batch rounded up to a power of two (1 ... 256) it compiles the
-schedule the key runs now (``--table``'s entry, else the package's pick on this device; not
-under ``--refine``) and a pruned set of schedules (rows per program, K step, split-K, warps, pipeline depth, stream-K
-programs; up to B = 8 the vector schedules too), checks each against a float64 product of the same
+schedule the key runs now (``--table``'s entry, else the package's pick on this device; not under
+``--refine``) and a pruned set of schedules (rows per program, K step, split-K, warps, pipeline
+depth, stream-K programs; up to B = 8 the vector schedules too), checks each against a float64 product of the same
 data (issue 4's bounds, which XLA's product is checked against too), times the correct ones with
 CUPTI over weights rotated past the L2, and keeps the fastest.
 

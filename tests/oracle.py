@@ -111,3 +111,11 @@ def shared_expert(x, gate_up, down, beta=4.0, linear_beta=25.0) -> np.ndarray:
     h = x64 @ gu.T
     hidden = situ(h[:, :s].astype(BF16), h[:, s:].astype(BF16), beta, linear_beta)
     return hidden.astype(np.float64) @ np.asarray(down, BF16).astype(np.float64).T
+
+
+def assert_valid_ids(ids, experts: int) -> None:
+    """SPEC section 4's guarantee for any input: int32 ids in ``[0, experts)``, distinct per row."""
+    ids = np.asarray(ids)
+    assert ids.dtype == np.int32
+    assert ((ids >= 0) & (ids < experts)).all()
+    assert all(len(set(row)) == len(row) for row in ids.tolist())
