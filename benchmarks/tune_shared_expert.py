@@ -146,25 +146,35 @@ def stream_k_candidates(row_count: int, k: int, parts: int, bp: int, cores: int 
 def tma_candidates(row_count: int, k: int, parts: int, batch: int, cores: int = 132
                    ) -> list[GemmConfig]:
     """The TMA schedules worth timing for one kernel at a batch of at most 64: 64-row CTAs (per
-    part) with stages of 64, 128 and 256 columns; no split of K where the row tiles give two thirds
-    of the ``cores`` SMs a CTA, else each split that gives them 96 to 300 CTAs of at least two K
-    steps (XLA then sums the partials); rings 3 to 8 deep (fewer where a CTA has fewer K steps) that
-    fit the shared memory budget (``parts`` weight blocks and the ``x`` block per stage)."""
-    if batch > TMA_MAX_BATCH or row_count % TMA_ROWS:
+    part), and from B = 8 on also ``batch_m`` CTAs of each multiple of 8 from 32 to 64 that divides
+    the rows (tp1: 48 gate rows make 128 CTAs, 56 down rows 128), with stages of 64, 128 and 256
+    columns; no split of K where the row tiles give two thirds of the ``cores`` SMs a CTA, else each
+    split that gives them 96 to 300 CTAs of at least two K steps (XLA then sums the partials); rings
+    3 to 8 deep (fewer where a CTA has fewer K steps) that fit the shared memory budget (``parts``
+    weight blocks and the ``x`` block per stage: ``Bp`` rows, or ``TMA_MAX_BATCH`` with
+    ``batch_m``)."""
+    if batch > TMA_MAX_BATCH:
         return []
-    bp, tiles = shared_expert_tma.padded_batch(batch), row_count // TMA_ROWS
+    bp = shared_expert_tma.padded_batch(batch)
+    shapes = [(TMA_ROWS, False)] if row_count % TMA_ROWS == 0 else []
+    if batch >= 8:
+        shapes += [(bn, True) for bn in range(32, TMA_ROWS + 1, 8) if row_count % bn == 0]
     out = []
-    for bk in (64, 128, 256):
-        if k % bk:
-            continue
-        steps = k // bk
-        splits = ([1] if 3 * tiles >= 2 * cores else
-                  [s for s in divisors(steps) if 96 <= tiles * s <= 300 and steps // s >= 2])
-        stage = 2 * bk * (parts * TMA_ROWS + bp)
-        for split in splits:
-            deepest = min(SMEM_BUDGET // stage, steps // split)
-            for depth in sorted({d for d in (3, 4, 6, 8, deepest) if min(3, deepest) <= d <= deepest}):
-                out.append(GemmConfig(TMA_ROWS, bk, split, TMA_WARPS, depth, tma=True))
+    for bn, batch_m in shapes:
+        tiles = row_count // bn
+        for bk in (64, 128, 256):
+            if k % bk:
+                continue
+            steps = k // bk
+            splits = ([1] if 3 * tiles >= 2 * cores else
+                      [s for s in divisors(steps) if 96 <= tiles * s <= 300 and steps // s >= 2])
+            stage = 2 * bk * (parts * bn + (TMA_MAX_BATCH if batch_m else bp))
+            for split in splits:
+                deepest = min(SMEM_BUDGET // stage, steps // split)
+                for depth in sorted({d for d in (3, 4, 6, 8, deepest)
+                                     if min(3, deepest) <= d <= deepest}):
+                    out.append(GemmConfig(bn, bk, split, TMA_WARPS, depth, tma=True,
+                                          batch_m=batch_m))
     return out
 
 

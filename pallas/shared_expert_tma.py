@@ -62,6 +62,8 @@ slower at every batch at tp1, and two steps of wgmmas behind the loads instead o
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -90,10 +92,13 @@ ahead."""
 
 
 def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int, part=0):
-    """The float32 accumulators ``[block_rows, bp]`` of the weight's row tiles ``first_tiles``
-    (counted in ``block_rows``) against ``x`` over K chunk ``part`` of ``split_k``: ``num_stages``
-    TMA stages of ``block_k`` columns in flight."""
+    """The float32 accumulators of the weight's row tiles ``first_tiles`` (counted in
+    ``block_rows``) against ``x`` over K chunk ``part`` of ``split_k``: ``num_stages`` TMA stages of
+    ``block_k`` columns in flight. Each is ``[block_rows, bp]`` (the weight tile is wgmma's M), or
+    with ``batch_m`` ``[TMA_MAX_BATCH, block_rows]`` (``x``'s rows are M, those past its own zero
+    filled by the copy)."""
     rows, block_k, depth = config.block_rows, config.block_k, config.num_stages
+    x_rows = TMA_MAX_BATCH if config.batch_m else bp
     steps = x_gmem.shape[1] // block_k // config.split_k
     first_step = part * steps
     transforms = _transforms(block_k)
@@ -103,7 +108,10 @@ def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int, part=0):
         def body(_, *smem):
             *w_smem, x_smem = smem
             for acc, w in zip(accs, w_smem):
-                plgpu.wgmma(acc, w, x_smem.T)
+                if config.batch_m:
+                    plgpu.wgmma(acc, x_smem, w.T)
+                else:
+                    plgpu.wgmma(acc, w, x_smem.T)
             # The wgmmas of steps before the last WGMMA_STEPS_IN_FLIGHT are done: their slots may
             # be refilled.
             plgpu.wgmma_wait(parts * WGMMA_STEPS_IN_FLIGHT)
@@ -113,14 +121,15 @@ def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int, part=0):
                             transforms=transforms, delay_release=WGMMA_STEPS_IN_FLIGHT)
             for t in first_tiles
         ]
-        x_spec = plgpu.BlockSpec((bp, block_k), lambda k: (0, first_step + k),
+        x_spec = plgpu.BlockSpec((x_rows, block_k), lambda k: (0, first_step + k),
                                  transforms=transforms, delay_release=WGMMA_STEPS_IN_FLIGHT)
         plgpu.emit_pipeline(
             body, grid=(steps,), in_specs=[*w_specs, x_spec], max_concurrent_steps=depth
         )(*[w_gmem] * parts, x_gmem)
         return tuple(acc[...] for acc in accs)
 
-    return pl.run_scoped(scope, *[plgpu.ACC((rows, bp), jnp.float32)] * parts)
+    acc_shape = (x_rows, rows) if config.batch_m else (rows, bp)
+    return pl.run_scoped(scope, *[plgpu.ACC(acc_shape, jnp.float32)] * parts)
 
 
 def _store_transposed(tile_t, out_gmem, column):
@@ -137,17 +146,35 @@ def _store_transposed(tile_t, out_gmem, column):
     pl.run_scoped(scope, plgpu.SMEM((bp, rows), jnp.bfloat16))
 
 
+def _store_rows(tile, out_gmem, column, bp: int):
+    """The first ``bp`` rows of a ``[TMA_MAX_BATCH, rows]`` bfloat16 tile (``batch_m``), through
+    shared memory, TMA-stored into ``out_gmem[:bp, column : column + rows]`` (rows past the
+    output's clipped)."""
+    m, rows = tile.shape
+
+    def scope(smem):
+        smem[...] = tile
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem.at[pl.ds(0, bp)],
+                                out_gmem.at[pl.ds(0, bp), pl.ds(column, rows)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scope, plgpu.SMEM((m, rows), jnp.bfloat16))
+
+
 def _store_partials(tiles, dst_gmem):
-    """The float32 ``[rows, bp]`` tiles through one shared-memory buffer, TMA-stored into
-    ``dst_gmem`` ``[len(tiles), rows, bp]``: every tile is written before any copy starts, so no
-    shared memory is rewritten while a copy may still read it."""
+    """The float32 tiles through one shared-memory buffer, TMA-stored into ``dst_gmem``
+    ``[len(tiles), m, n]`` (``[rows, bp]``, or ``[bp, rows]`` of ``[TMA_MAX_BATCH, rows]`` tiles
+    with ``batch_m``): every tile is written before any copy starts, so no shared memory is
+    rewritten while a copy may still read it."""
+    m = dst_gmem.shape[1]
 
     def scope(smem):
         for i, tile in enumerate(tiles):
             smem.at[i][...] = tile
         plgpu.commit_smem()
         for i in range(len(tiles)):
-            plgpu.copy_smem_to_gmem(smem.at[i], dst_gmem.at[i])
+            plgpu.copy_smem_to_gmem(smem.at[i, pl.ds(0, m)], dst_gmem.at[i])
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(scope, plgpu.SMEM((len(tiles), *tiles[0].shape), jnp.float32))
@@ -157,7 +184,8 @@ def _partials(x, w, parts: int, config: GemmConfig, interpret: bool, name: str):
     """Split-K (or float32-output) form of either kernel: CTA ``(part, tile)`` streams K chunk
     ``part`` of the ``parts`` row blocks of ``tile`` (gate/up: its gate rows and the up rows
     ``S_r`` below) and stores its float32 accumulators; XLA sums the ``[split_k, parts, rows / parts,
-    bp]`` partials and runs the epilogue (one small fusion)."""
+    bp]`` partials (``[split_k, parts, bp, rows / parts]`` with ``batch_m``) and runs the epilogue
+    (one small fusion)."""
     rows = config.block_rows
     bp, tiles = padded_batch(x.shape[0]), w.shape[0] // parts // rows
 
@@ -165,9 +193,12 @@ def _partials(x, w, parts: int, config: GemmConfig, interpret: bool, name: str):
         part, tile = lax.axis_index("part"), lax.axis_index("tile")
         accs = _stream(x_gmem, w_gmem, tuple(tile + p * tiles for p in range(parts)), config, bp,
                        part)
-        _store_partials(accs, out_gmem.at[part, :, pl.ds(tile * rows, rows)])
+        columns = pl.ds(tile * rows, rows)
+        _store_partials(accs, out_gmem.at[part, :, :, columns] if config.batch_m
+                        else out_gmem.at[part, :, columns])
 
-    out = jax.ShapeDtypeStruct((config.split_k, parts, tiles * rows, bp), jnp.float32)
+    shape = (bp, tiles * rows) if config.batch_m else (tiles * rows, bp)
+    out = jax.ShapeDtypeStruct((config.split_k, parts, *shape), jnp.float32)
     return plgpu.kernel(
         kernel, out_type=out, grid=(config.split_k, tiles), grid_names=("part", "tile"),
         interpret=_interpret_params(interpret), kernel_name=name,
@@ -205,30 +236,40 @@ def _interpret_params(interpret: bool):
     return plgpu.InterpretGPUParams() if interpret else None
 
 
-def _hidden_t(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool):
-    """Kernel 1 with K split, on ``_tma_rows(x)``: ``hidden.T`` ``[S_r, Bp]``, the layout the
-    partials lie in (the batch minor), so that XLA's sum over the splits, rounding and situ are one
-    fusion (a transpose to ``[B, S_r]`` makes it two, 1.0-1.4 us more at tp8: thirteenth session).
-    Columns past B are ``situ(0, 0) = 0``."""
+def _split_hidden(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool):
+    """Kernel 1 with K split, on ``_tma_rows(x)``: ``hidden`` in the layout its partials lie in,
+    ``hidden.T`` ``[S_r, Bp]`` (the batch minor; ``[Bp, S_r]`` with ``batch_m``), so that XLA's
+    sum over the splits, rounding and situ are one fusion (a transpose makes it two, 1.0-1.4 us
+    more at tp8: thirteenth session). Rows or columns past B are ``situ(0, 0) = 0``."""
     y = _partials(x, gate_up, 2, config, interpret, "shared_gate_up_tma_partials").sum(0)
     gate, up = (reference.round_to_bfloat16(y[p]) for p in range(2))
     return reference.situ(gate, up, beta, linear_beta)
+
+
+def _hidden_t(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool):
+    """``hidden.T`` ``[S_r, Bp]`` from ``_split_hidden`` (a transpose with ``batch_m``)."""
+    hidden = _split_hidden(x, gate_up, beta, linear_beta, config, interpret)
+    return hidden.T if config.batch_m else hidden
 
 
 def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool):
     """Kernel 1 on ``_tma_rows(x)``: its rows of ``hidden``."""
     s_r = gate_up.shape[0] // 2
     rows = config.block_rows
-    if config.split_k > 1:
-        return _hidden_t(x, gate_up, beta, linear_beta, config, interpret)[:, : x.shape[0]].T
     batch, bp, tiles = x.shape[0], padded_batch(x.shape[0]), s_r // rows
+    if config.split_k > 1:
+        hidden = _split_hidden(x, gate_up, beta, linear_beta, config, interpret)
+        return hidden[:batch] if config.batch_m else hidden[:, :batch].T
 
     def kernel(x_gmem, w_gmem, out_gmem):
         tile = lax.axis_index("tile")
         gate, up = _stream(x_gmem, w_gmem, (tile, tile + tiles), config, bp)
         hidden = reference.situ(gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16), beta,
                                 linear_beta)
-        _store_transposed(hidden, out_gmem, tile * rows)
+        if config.batch_m:
+            _store_rows(hidden, out_gmem, tile * rows, bp)
+        else:
+            _store_transposed(hidden, out_gmem, tile * rows)
 
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((batch, s_r), jnp.bfloat16), grid=(tiles,),
@@ -242,12 +283,13 @@ def _down(hidden, down, out_dtype, config: GemmConfig, interpret: bool):
     batch, rows, bp = hidden.shape[0], down.shape[0], padded_batch(hidden.shape[0])
     if config.split_k > 1 or jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16):
         y = _partials(hidden, down, 1, config, interpret, "shared_down_tma_partials").sum(0)[0]
-        return y[:, :batch].T.astype(out_dtype)
+        return (y[:batch] if config.batch_m else y[:, :batch].T).astype(out_dtype)
 
     def kernel(h_gmem, w_gmem, out_gmem):
         tile = lax.axis_index("tile")
         (acc,) = _stream(h_gmem, w_gmem, (tile,), config, bp)
-        _store_transposed(acc.astype(jnp.bfloat16), out_gmem, tile * config.block_rows)
+        store = functools.partial(_store_rows, bp=bp) if config.batch_m else _store_transposed
+        store(acc.astype(jnp.bfloat16), out_gmem, tile * config.block_rows)
 
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((batch, rows), jnp.bfloat16),

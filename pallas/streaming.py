@@ -53,6 +53,11 @@ class GemmConfig:
         ``K / split_k`` chunk, the weight streamed through a ring of ``num_stages`` TMA stages of
         ``block_k`` columns into wgmma; so ``num_warps`` 4, no programs. With ``split_k > 1`` XLA
         sums the float32 partials and runs the epilogue.
+      batch_m: (keyword only, with ``tma``) the TMA schedule with wgmma's operands the other way
+        round: its M is the batch, padded to ``TMA_MAX_BATCH`` rows, and its N the CTA's
+        ``block_rows`` weight rows, any multiple of 8 up to ``TMA_MAX_ROWS_N``, so that the tiles
+        can be cut to fill the SMs (tp1: 6144 gate rows are 128 CTAs of 48, 7168 down rows 128 of
+        56, where 64-row tiles make 96 and 112).
     """
 
     block_rows: int
@@ -63,13 +68,24 @@ class GemmConfig:
     programs: int = 0
     vector: bool = dataclasses.field(default=False, kw_only=True)
     tma: bool = dataclasses.field(default=False, kw_only=True)
+    batch_m: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self):
         name = type(self).__name__
-        for flag in ("vector", "tma"):
+        for flag in ("vector", "tma", "batch_m"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{name}.{flag} must be a bool, got {getattr(self, flag)!r}")
-        for field, least in (("block_rows", self.least_block_rows()), ("block_k", MIN_DOT)):
+        if self.batch_m and not (
+            self.tma and isinstance(self.block_rows, int) and self.block_rows % 8 == 0
+            and 8 <= self.block_rows <= TMA_MAX_ROWS_N
+        ):
+            raise ValueError(
+                f"batch_m is a TMA schedule (tma=True) whose block_rows, wgmma's N, is a multiple "
+                f"of 8 from 8 to {TMA_MAX_ROWS_N}: got {self}"
+            )
+        fields = (("block_k", MIN_DOT),) if self.batch_m else (
+            ("block_rows", self.least_block_rows()), ("block_k", MIN_DOT))
+        for field, least in fields:
             value = getattr(self, field)
             if not isinstance(value, int) or value < least or value & (value - 1):
                 raise ValueError(f"{name}.{field} must be a power of two >= {least}, got {value!r}")
@@ -96,7 +112,7 @@ class GemmConfig:
             )
         tma = (self.num_warps, self.programs, self.vector)
         if self.tma and (tma != (TMA_WARPS, 0, False) or self.num_stages < 2
-                         or self.block_rows != TMA_ROWS):
+                         or (self.block_rows != TMA_ROWS and not self.batch_m)):
             raise ValueError(
                 f"the TMA schedule is one warpgroup per {TMA_ROWS} rows with a ring of >= 2 "
                 f"stages: {name}(block_rows={TMA_ROWS}, block_k, split_k, num_warps={TMA_WARPS}, "
@@ -119,6 +135,8 @@ class GemmConfig:
 TMA_ROWS = 64
 """Weight rows per CTA (per part) of the TMA schedule: one warpgroup's wgmma M. (CTAs of 128 rows
 were slower at every batch at tp1: benchmarks/RESULTS.md, twelfth session.)"""
+TMA_MAX_ROWS_N = 256
+"""Most weight rows per CTA (per part) of the TMA schedule with ``batch_m``: wgmma's largest N."""
 TMA_WARPS = 4
 """The TMA schedule's CTA: one warpgroup."""
 TMA_MAX_BATCH = 64

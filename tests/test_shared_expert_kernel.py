@@ -285,6 +285,9 @@ def test_pick_config_uses_the_table_on_h200():
 
 TMA = functools.partial(G, 64, num_warps=4, tma=True)
 """``TMA(block_k, split_k=, num_stages=)``: a TMA schedule (Mosaic GPU)."""
+BATCH_M = functools.partial(G, num_warps=4, tma=True, batch_m=True)
+"""``BATCH_M(block_rows, block_k, split_k=, num_stages=)``: a TMA schedule with the batch as
+wgmma's M."""
 
 
 # (batch, S_r, config): B = 1, 8 (at most 8 rows: one TMA box), 13 (padded to 16 and sliced back),
@@ -528,16 +531,25 @@ def test_gpu_vector_schedule_matches_float64(tp):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch_m", [False, True])
 @pytest.mark.parametrize("tp", [1, 8])
-def test_gpu_tma_schedule_matches_float64(tp):
-    """The TMA schedule (tp1: bfloat16 out; tp8: K split 14 ways, the float32 partial) at batches
-    below, between and at its multiples of 8 and its largest, to the same bound."""
+def test_gpu_tma_schedule_matches_float64(tp, batch_m):
+    """The TMA schedule (tp1: bfloat16 out; tp8: K split, the float32 partial), with the weight
+    rows or (``batch_m``) the batch as wgmma's M, at batches below, between and at its multiples of
+    8 and its largest, to the same bound."""
     cfg = K3.with_tp(tp)
     _, gate_up, down = rank_slices(k3_weights(), cfg, tp - 1, cfg.experts_per_rank)
     out_dtype = jnp.bfloat16 if tp == 1 else jnp.float32
-    config = (se.SharedExpertConfig(G(64, 128, 1, 4, 4, tma=True), G(64, 128, 1, 4, 6, tma=True))
-              if tp == 1 else
-              se.SharedExpertConfig(G(64, 64, 14, 4, 4, tma=True), G(64, 128, 1, 4, 3, tma=True)))
+    config = {
+        (1, False): se.SharedExpertConfig(TMA(128, split_k=1, num_stages=4),
+                                          TMA(128, split_k=1, num_stages=6)),
+        (8, False): se.SharedExpertConfig(TMA(64, split_k=14, num_stages=4),
+                                          TMA(128, split_k=1, num_stages=3)),
+        (1, True): se.SharedExpertConfig(BATCH_M(48, 128, split_k=1, num_stages=4),
+                                         BATCH_M(56, 128, split_k=1, num_stages=5)),
+        (8, True): se.SharedExpertConfig(BATCH_M(48, 128, split_k=8, num_stages=4),
+                                         BATCH_M(56, 128, split_k=1, num_stages=5)),
+    }[tp, batch_m]
     for batch in (1, 7, 16, 37, 64):
         x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
         want = oracle.shared_expert(x, gate_up, down)
