@@ -13,7 +13,7 @@ from moe_front_jax.pallas import streaming
 
 K3 = mf.KIMI_K3
 H100 = "NVIDIA H100 80GB HBM3"
-BATCHES = (1, 2, 8, 64, 256)
+BATCHES = (1, 2, 8, 16, 32, 64, 256)
 
 
 def over_shapes(front_gemm, route, shared_expert) -> dict:
