@@ -291,8 +291,9 @@ wgmma's M."""
 
 
 # (batch, S_r, config): B = 1, 8 (at most 8 rows: one TMA box), 13 (padded to 16 and sliced back),
-# 24 (a multiple of 8); two and three CTAs of 64 gate rows; rings of 2 to 4 stages; K
-# split 2 and 4 ways (XLA sums the partials and runs situ).
+# 24 (a multiple of 8), 64 (batch_m's whole M); two and three CTAs of 64 gate rows, and with the
+# batch as M two to four of 24, 48 and 56; rings of 2 to 4 stages; K split 2 and 4 ways (XLA sums
+# the partials and runs situ).
 @pytest.mark.parametrize("batch, s_r, config", [
     (1, 128, TMA(64, split_k=1, num_stages=2)),
     (8, 192, TMA(128, split_k=1, num_stages=2)),
@@ -300,6 +301,11 @@ wgmma's M."""
     (24, 128, TMA(64, split_k=1, num_stages=4)),
     (1, 128, TMA(64, split_k=2, num_stages=2)),
     (13, 64, TMA(32, split_k=4, num_stages=2)),
+    (1, 96, BATCH_M(48, 64, split_k=1, num_stages=2)),
+    (13, 112, BATCH_M(56, 128, split_k=1, num_stages=2)),
+    (64, 144, BATCH_M(48, 64, split_k=1, num_stages=3)),
+    (21, 96, BATCH_M(24, 32, split_k=2, num_stages=2)),
+    (64, 48, BATCH_M(24, 64, split_k=4, num_stages=2)),
 ])
 def test_interpret_tma_gate_up_situ_matches_reference_exactly(batch, s_r, config):
     """The TMA gate/up in Mosaic GPU's interpret mode: bit for bit reference.situ of the exact
@@ -321,6 +327,9 @@ def test_interpret_tma_gate_up_situ_matches_reference_exactly(batch, s_r, config
     (16, 192, 128, TMA(128, split_k=1, num_stages=2)),
     (21, 64, 512, TMA(128, split_k=1, num_stages=3)),
     (9, 128, 512, TMA(64, split_k=4, num_stages=2)),
+    (64, 112, 256, BATCH_M(56, 64, split_k=1, num_stages=2)),
+    (5, 96, 512, BATCH_M(48, 128, split_k=2, num_stages=2)),
+    (40, 64, 256, BATCH_M(32, 64, split_k=1, num_stages=3)),
 ])
 def test_interpret_tma_down_matches_float64_exactly(out_dtype, batch, rows, depth, config):
     """The TMA down on small-integer operands, whose float32 product is exact: bfloat16 from the
@@ -336,17 +345,22 @@ def test_interpret_tma_down_matches_float64_exactly(out_dtype, batch, rows, dept
                                   want.astype(out_dtype).astype(np.float32))
 
 
+@pytest.mark.parametrize("batch_m", [False, True])
 @pytest.mark.parametrize("batch, split_k, out_dtype", [
     (1, 1, jnp.bfloat16), (37, 1, jnp.bfloat16), (3, 2, jnp.float32)])
-def test_interpret_tma_shared_expert_matches_reference_and_float64(batch, split_k, out_dtype):
-    """Both kernels on the TMA schedule, one call: at tp1 (B=37 passes ``hidden`` between them in
-    its 40 padded rows), and K split with a float32 partial sum, as at tp8."""
+def test_interpret_tma_shared_expert_matches_reference_and_float64(batch, split_k, out_dtype,
+                                                                   batch_m):
+    """Both kernels on the TMA schedule, one call, with the weight rows or (``batch_m``) the batch
+    as wgmma's M: at tp1 (B=37 passes ``hidden`` between them in its 40 padded rows), and K split
+    with a float32 partial sum, as at tp8."""
     cfg = dataclasses.replace(K3, hidden=SMALL_HIDDEN, shared=256)
     _, gate_up, down = rank_slices(mf.init_weights(jax.random.key(1), cfg), cfg, 0,
                                    cfg.experts_per_rank)
     x = jax.random.normal(jax.random.key(batch), (batch, SMALL_HIDDEN)).astype(jnp.bfloat16)
-    config = se.SharedExpertConfig(TMA(64, split_k=split_k, num_stages=2),
-                                   TMA(128, split_k=split_k, num_stages=2))
+    config = (se.SharedExpertConfig(BATCH_M(32, 64, split_k=split_k, num_stages=2),
+                                    BATCH_M(64, 128, split_k=split_k, num_stages=2)) if batch_m else
+              se.SharedExpertConfig(TMA(64, split_k=split_k, num_stages=2),
+                                    TMA(128, split_k=split_k, num_stages=2)))
     got = jax.jit(lambda x, g, d: se.shared_expert(x, g, d, cfg, out_dtype, interpret=True,
                                                    config=config))(x, gate_up, down)
     assert got.dtype == out_dtype and got.shape == (batch, SMALL_HIDDEN)
@@ -384,16 +398,20 @@ def test_interpret_down_from_transposed_hidden_matches_float64_exactly(out_dtype
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
 
 
+@pytest.mark.parametrize("batch_m", [False, True])
 @pytest.mark.parametrize("batch", [3, 13, 21])
-def test_interpret_tma_split_gate_up_hands_the_down_hidden_transposed(batch):
+def test_interpret_tma_split_gate_up_hands_the_down_hidden_transposed(batch, batch_m):
     """The TMA gate/up with K split beside a Triton down (tp8's table): ``gate_up_situ_t`` is
     ``gate_up_situ`` transposed, with zero columns to Bp, and ``shared_expert`` through it gives
-    the two public kernels' result bit for bit."""
+    the two public kernels' result bit for bit (``batch_m``'s partials lie the other way round:
+    XLA transposes)."""
     cfg = dataclasses.replace(K3, hidden=SMALL_HIDDEN, shared=256)
     _, gate_up, down = rank_slices(mf.init_weights(jax.random.key(1), cfg), cfg, 0,
                                    cfg.experts_per_rank)
     x = jax.random.normal(jax.random.key(batch), (batch, SMALL_HIDDEN)).astype(jnp.bfloat16)
-    config = se.SharedExpertConfig(TMA(64, split_k=2, num_stages=2), G(64, 64, 1, 4, 2))
+    gate_up_config = (BATCH_M(32, 64, split_k=2, num_stages=2) if batch_m else
+                      TMA(64, split_k=2, num_stages=2))
+    config = se.SharedExpertConfig(gate_up_config, G(64, 64, 1, 4, 2))
     h_t = st.gate_up_situ_t(x, gate_up, cfg.situ_beta, cfg.linear_beta, config=config.gate_up,
                             interpret=True)
     h = se.gate_up_situ(x, gate_up, cfg.situ_beta, cfg.linear_beta, interpret=True,
@@ -409,15 +427,21 @@ def test_interpret_tma_split_gate_up_hands_the_down_hidden_transposed(batch):
 
 
 def test_tma_schedule_lowers_for_h200_as_two_mosaic_kernels():
-    """At K3's tp1 shapes: two Mosaic GPU kernels and no XLA dot; at B=37, not a multiple of 8, one
-    pad of ``x`` and one slice of the output beside them. At tp8's, K split 14 ways and the float32
-    partial sum: the same two kernels, XLA summing their partials (no dot either) and rounding gate
-    and up with ``reduce_precision`` (``reference.round_to_bfloat16``)."""
+    """At K3's tp1 shapes (64-row CTAs, and the H100 table's B=64 schedule with the batch as M: 128
+    CTAs of 48 gate and 128 of 56 down rows): two Mosaic GPU kernels and no XLA dot; at B=37, not a
+    multiple of 8, one pad of ``x`` and one slice of the output beside them. At tp8's, K split 14
+    (or 8) ways and the float32 partial sum: the same two kernels, XLA summing their partials (no
+    dot either) and rounding gate and up with ``reduce_precision``
+    (``reference.round_to_bfloat16``)."""
     for tp, config, out_dtype in (
         (1, se.SharedExpertConfig(TMA(128, split_k=1, num_stages=4),
                                   TMA(128, split_k=1, num_stages=6)), jnp.bfloat16),  # tp1 B=64's
+        (1, se.SharedExpertConfig(BATCH_M(48, 128, split_k=1, num_stages=4),
+                                  BATCH_M(56, 128, split_k=1, num_stages=6)), jnp.bfloat16),
         (8, se.SharedExpertConfig(TMA(64, split_k=14, num_stages=4),
                                   TMA(64, split_k=1, num_stages=6)), jnp.float32),
+        (8, se.SharedExpertConfig(BATCH_M(48, 128, split_k=8, num_stages=4),
+                                  BATCH_M(56, 128, split_k=1, num_stages=6)), jnp.float32),
     ):
         s_r = K3.with_tp(tp).shared_per_rank
         gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
@@ -445,6 +469,12 @@ def test_tma_config_and_request_errors():
             G(**args, tma=True)
     with pytest.raises(ValueError, match="GemmConfig.tma must be a bool, got 1"):
         G(64, 128, 1, 4, 4, tma=1)
+    with pytest.raises(ValueError, match="GemmConfig.batch_m must be a bool, got 1"):
+        G(48, 128, 1, 4, 4, tma=True, batch_m=1)
+    for rows, tma in ((48, False), (20, True), (0, True), (264, True)):
+        with pytest.raises(ValueError, match=f"batch_m is a TMA schedule .* got GemmConfig\\(block_rows={rows},"):
+            G(rows, 128, 1, 4, 4, tma=tma, batch_m=True)
+    assert G(256, 128, 1, 4, 2, tma=True, batch_m=True).block_rows == 256
     entry = {"gate_up": dataclasses.asdict(TMA(128, split_k=1, num_stages=4)),
              "down": dataclasses.asdict(G(64, 64, 2, 4, 6))}
     config = se.SharedExpertConfig.from_json(entry)
