@@ -23,6 +23,14 @@ At tp1 no split of K, and so no partial sums, counters or second pass: the gate/
 not SMs: ``depth`` stages of ``2 * 64 * block_k`` bytes (gate/up: twice that) per CTA. The layout
 needs ``S_r`` and ``H`` multiples of 64.
 
+With ``batch_m`` the operands swap roles: ``x``'s copy is ``[64, block_k]`` (TMA_MAX_BATCH rows,
+those past the array zero filled), wgmma's M, and the weight tile is its N, so a CTA's rows may be
+any multiple of 8 (``GemmConfig.batch_m``): at tp1 48 gate rows (and the 48 up rows) make 128 CTAs
+for the gate/up and 56 rows 128 for the down, where 64-row tiles make 96 and 112 and leave SMs idle.
+The accumulators are ``[64, rows]`` and store straight into the ``[B, .]`` output (their first
+``Bp`` rows; no transpose), the partials as ``[split_k, parts, Bp, rows]``. The tensor work is
+that of a batch of 64 whatever B is: free while the weight read bounds the kernel.
+
 The epilogues run on the accumulator's registers: gate/up rounds gate and up to bfloat16 and applies
 ``reference.situ`` (the same float32 formula); down rounds to bfloat16. Each result tile is written
 through a transposed shared-memory view into ``[Bp, 64]`` and TMA-stored at columns ``64 * tile`` of
@@ -42,11 +50,13 @@ transpose, 1.0-1.4 us more at tp8 (``benchmarks/split_epilogue_probe.py``, thirt
 Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the kernels' split_k where they hand XLA partials):
   bytes = 2 * 2 * S_r * H + 2 * H * S_r    the two weights, each read once (264.2 MB at tp1, 33.0 MB
                                             at tp8): the bound
-        + 2 * Bp * H * S_r / 64             x re-read from L2 by every gate/up CTA (not HBM)
-        + 2 * Bp * S_r * H / 64             hidden re-read from L2 by every down CTA (not HBM)
+        + 2 * Bp * H * S_r / rows           x re-read from L2 by every gate/up CTA (not HBM; rows =
+                                            block_rows, 64 unless batch_m)
+        + 2 * Bp * S_r * H / rows           hidden re-read from L2 by every down CTA (not HBM)
         + 2 * B * S_r + 2 * B * H           hidden and shared written
         + 2 * 4 * Bp * (2 S_r s1 + H s2)    partials written and read back by XLA, where used
-  FLOPs = 2 * Bp * 3 * S_r * H              on the tensor cores (Bp >= 8: 8x B's at B=1, free here)
+  FLOPs = 2 * Bp * 3 * S_r * H              on the tensor cores (Bp >= 8: 8x B's at B=1, free here;
+                                            with batch_m 64 for Bp)
 so a call is bound by the weight read: 56.8 us at tp1 at the H200's 4.65 TB/s.
 
 Measured on the H200 (2026-12-04, twelfth session, CUPTI, weights rotated; benchmarks/RESULTS.md):
