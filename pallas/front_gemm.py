@@ -112,7 +112,16 @@ TABLE_FILES = {"NVIDIA H200": "h200_front_gemm.json"}
 class FrontGemmConfig(GemmConfig):
     """Block shapes and schedule of the front GEMM (``streaming.GemmConfig``: the grid, stream-K
     with ``programs``, or the vector schedule); ``block_rows`` is at least the plan block when the
-    plan is written (the kernel widens narrower tiles). The vector schedule has no plan epilogue."""
+    plan is written (the kernel widens narrower tiles). The vector schedule has no plan epilogue.
+    The TMA schedules (``tma``, ``batch_m``) are the shared expert's alone."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.tma:
+            raise ValueError(
+                f"the front GEMM has no TMA schedule (tma=True is the shared expert's GemmConfig): "
+                f"got {self}"
+            )
 
 
 def table_key(valid: int, shard: int, hidden: int, batch: int) -> str:

@@ -507,6 +507,12 @@ def test_vector_config_errors():
         fg.front_gemm(jnp.zeros((9, 64), jnp.bfloat16), w, split, valid, config=vector)
 
 
+def test_tma_config_is_refused():
+    for flags in (dict(tma=True), dict(tma=True, batch_m=True)):
+        with pytest.raises(ValueError, match="the front GEMM has no TMA schedule"):
+            Cfg(64, 128, 1, 4, 4, **flags)
+
+
 def test_stream_k_config_errors():
     with pytest.raises(ValueError, match="split_k must be 1"):
         Cfg(32, 64, 2, 4, 3, programs=132)
