@@ -461,8 +461,8 @@ def test_tma_schedule_lowers_for_h200_as_two_mosaic_kernels():
 
 
 def test_tma_config_and_request_errors():
-    """A TMA schedule is 64 rows, one warpgroup, two stages or more; a request it does not cover is
-    a NotImplementedError that says so."""
+    """A TMA schedule is 64 rows (with ``batch_m``: a multiple of 8 up to 256), one warpgroup, two
+    stages or more; a request it does not cover is a NotImplementedError that says so."""
     for bad in (dict(block_rows=128), dict(num_warps=8), dict(num_stages=1), dict(programs=132)):
         args = dict(block_rows=64, block_k=128, split_k=1, num_warps=4, num_stages=4) | bad
         with pytest.raises(ValueError, match="the TMA schedule is one warpgroup per 64 rows"):
@@ -472,7 +472,8 @@ def test_tma_config_and_request_errors():
     with pytest.raises(ValueError, match="GemmConfig.batch_m must be a bool, got 1"):
         G(48, 128, 1, 4, 4, tma=True, batch_m=1)
     for rows, tma in ((48, False), (20, True), (0, True), (264, True)):
-        with pytest.raises(ValueError, match=f"batch_m is a TMA schedule .* got GemmConfig\\(block_rows={rows},"):
+        with pytest.raises(ValueError,
+                           match=f"batch_m is a TMA schedule .* got GemmConfig\\(block_rows={rows},"):
             G(rows, 128, 1, 4, 4, tma=tma, batch_m=True)
     assert G(256, 128, 1, 4, 2, tma=True, batch_m=True).block_rows == 256
     entry = {"gate_up": dataclasses.asdict(TMA(128, split_k=1, num_stages=4)),
