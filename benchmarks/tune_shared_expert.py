@@ -303,6 +303,7 @@ def main() -> None:
             except Exception as e:  # a variant that fails is recorded, not fatal
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 traceback.print_exc(limit=1)
+            row["done_s"] = round(time.time() - start, 1)  # where a budget goes (compiles, timings)
             results.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
 
