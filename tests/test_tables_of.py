@@ -64,16 +64,20 @@ def test_the_h100_takes_its_own_entries_then_the_h200_schedules_but_not_its_auto
     # The H100's own shared-expert table (tp1 and tp8 at B = 1, 8, 16, 32, 64) wins where it has
     # the key; every other schedule (B = 2, 4) is the H200's.
     own = se.load_table(H100)
-    assert {e.split(",batch=")[1] for e in own} == {"1", "8", "16", "32", "64"}
+    own_batches = {int(e.split(",batch=")[1]) for e in own}
+    assert own_batches == {1, 8, 16, 32, 64}
     for key, config in h100.items():
-        if key[0] == "shared_expert" and key[2] in (1, 8, 16, 32, 64):
+        if key[0] == "shared_expert" and key[2] in own_batches:
             c = K3.with_tp(key[1])
             assert config == own[se.table_key(c.shared_per_rank, c.hidden, key[2])], key
         else:
             assert config == h200[key], key
-    # The one key where the tables differ by more than a tie (seventeenth session): tp1 B=1's down
-    # is the vector schedule on the H100, wgmma's on the H200.
+    # The keys where the tables differ by more than a tie: tp1 B=1's down is the vector schedule on
+    # the H100, wgmma's on the H200 (seventeenth session); at tp1 B=64 the H100 takes the batch as
+    # wgmma's M, the H200 not (eighteenth session).
     assert h100["shared_expert", 1, 1].down.vector and not h200["shared_expert", 1, 1].down.vector
+    assert h100["shared_expert", 1, 64].gate_up.batch_m
+    assert not h200["shared_expert", 1, 64].gate_up.batch_m
     assert h100 != heuristics()  # the tables do choose other schedules
 
 
