@@ -31,9 +31,9 @@ The accumulators are ``[64, rows]`` and store straight into the ``[B, .]`` outpu
 ``Bp`` rows; no transpose), the partials as ``[split_k, parts, Bp, rows]``. The tensor work is
 that of a batch of 64 whatever B is, and below B=64 every step's ``x`` copy zero fills the rows
 past B: on the H200 that made tp1 B=16/32 slower (74-84 us per call against 65.4-65.7), and at B=64
-it tied with 64-row CTAs (66.9-67.2 against 67.0-67.1); on the H100 it gained 2.7 us at tp1 B=64
-(92.3 against 95.0, one run). The H100's table runs it at tp1 B = 32-64, the H200's nowhere
-(eighteenth session).
+it tied with 64-row CTAs (66.9-67.2 against 67.0-67.1); on the H100 it gained 2.7-3.1 us at tp1 B=64
+(92.3-95.0 against 95.0-98.1, three runs) and lost 0.2-0.6 us at B=32. The H100's table runs it at
+tp1 B=64, the H200's nowhere (eighteenth and nineteenth sessions).
 
 The epilogues run on the accumulator's registers: gate/up rounds gate and up to bfloat16 and applies
 ``reference.situ`` (the same float32 formula); down rounds to bfloat16. Each result tile is written
