@@ -16,9 +16,13 @@ the same stage width, so the output bits must agree with it.
 
 Variants per kernel and batch (tp1): the package at its H200 table's schedule (bk128) and at bk64,
 and the tile-major kernel at stages of 64, 128 and 256 columns; each checked bit for bit against
-the package's at its stage width (none at 256), then timed with CUPTI over weight copies rotated past the L2, beside XLA's dot and
-XLA's row sum of the same weight (the read ceiling). The table prints last; rows go to
-$OUT/tiled_weight_probe.json.
+the package's at its stage width (none at 256), then timed with CUPTI over weight copies rotated
+past the L2, beside XLA's dot and XLA's row sum of the same weight (the read ceiling). The table
+prints last; rows go to $OUT/tiled_weight_probe.json.
+
+Found on an H100 (benchmarks/RESULTS.md, nineteenth session, three runs): bit-equal, and no faster
+where it counts: the down 0.3-0.8 us faster, the gate/up up to 2.3 us slower in five of six pairs,
+so the package keeps the row-major weight. Not yet run on an H200.
 """
 
 from __future__ import annotations

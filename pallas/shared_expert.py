@@ -50,8 +50,8 @@ stream-K down reads it so (``down_proj_t``, ``Geometry.x_t``): one XLA fusion be
 kernels instead of a reduction and a transpose. With ``batch_m=True`` the batch is wgmma's M and
 the CTA's weight rows its N, any multiple of 8: tp1's 6144 gate rows in 128 CTAs of 48 and 7168
 down rows in 128 of 56, where 64-row CTAs leave 36 and 20 of the 132 SMs idle; the H100 runs it at
-tp1 B=64 (94.1-95.0 us per call against 97.2-98.1 for 64-row CTAs, nineteenth session), while on the H200 it
-tied at B=64 and lost below (eighteenth session), so the H200's table keeps 64-row CTAs.
+tp1 B=64 (92.3-95.0 us per call against 95.0-98.1 for 64-row CTAs, three runs), while on the H200
+it tied at B=64 and lost below (eighteenth session), so the H200's table keeps 64-row CTAs.
 
 Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working) for the grid, stream-K and
 vector schedules, for the reasons of ``front_gemm``: a pipelined K loop, small-M tensor-core dots,

@@ -168,8 +168,8 @@ H100 SXM has the H200's 132 SMs, 227 KiB of shared memory per block and 50 MB of
 differs, 3.35 against 4.8 TB/s), and on it the H200's tables beat or tie the heuristic's schedules
 at every shape measured but one (benchmarks/RESULTS.md, sixteenth session). The H100's own
 shared-expert table (tp1 and tp8 at B = 1, 8, 16, 64 and tp8 B=32, tuned with the H200's schedules
-timed beside: seventeenth to nineteenth sessions) comes first. Where ``backend="auto"`` runs a kernel is each kind's own
-measurement (``AUTO_FILES``)."""
+timed beside: seventeenth to nineteenth sessions) comes first. Where ``backend="auto"`` runs a
+kernel is each kind's own measurement (``AUTO_FILES``)."""
 
 
 def table_kinds() -> tuple[str, ...]:

@@ -74,7 +74,6 @@ def test_the_h100_takes_its_own_entries_then_the_h200_schedules_but_not_its_auto
             assert config == own[se.table_key(c.shared_per_rank, c.hidden, key[2])], key
         else:
             assert config == h200[key], key
-    assert h100["shared_expert", 1, 32] == h200["shared_expert", 1, 32]
     # The keys where the tables differ by more than a tie: tp1 B=1's down is the vector schedule on
     # the H100, wgmma's on the H200 (seventeenth session); at tp1 B=64 the H100 takes the batch as
     # wgmma's M, the H200 not (eighteenth session).
