@@ -22,16 +22,15 @@ prints last; rows go to $OUT/tiled_weight_probe.json.
 
 Found on an H100 (benchmarks/RESULTS.md, nineteenth session, three runs): bit-equal, and no faster
 where it counts: the down 0.3-0.8 us faster, the gate/up up to 2.3 us slower in five of six pairs,
-so the package keeps the row-major weight. Not yet run on an H200.
+so the package keeps the row-major weight. Not yet run on an H200. (``--interpret`` checks the
+layout on a small shape: there a wgmma is one dot of its whole stage, so only the bk64 variants'
+bits must agree; on the GPU every width's did.)
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -40,12 +39,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import tma_probes
 from moe_front_jax import reference
 from moe_front_jax.pallas import shared_expert_tma as tma
-from moe_front_jax.pallas.streaming import GemmConfig
+from tma_probes import BETA, LINEAR_BETA, ROWS
 
-ROWS = PANEL = 64
-BETA, LINEAR_BETA = 4.0, 25.0
+PANEL = 64
 
 
 def tile_major(w: jax.Array) -> jax.Array:
@@ -118,16 +117,6 @@ def tiled_down(hidden, down_tiled, *, panels, depth, interpret=False):
                          name="tiled_down", interpret=interpret)[: hidden.shape[0]]
 
 
-def package_gate_up(x, gate_up, *, block_k, depth, interpret=False):
-    config = GemmConfig(ROWS, block_k, 1, 4, depth, tma=True)
-    return tma.gate_up_situ(x, gate_up, BETA, LINEAR_BETA, config=config, interpret=interpret)
-
-
-def package_down(hidden, down, *, block_k, depth, interpret=False):
-    config = GemmConfig(ROWS, block_k, 1, 4, depth, tma=True)
-    return tma.down_proj(hidden, down, config=config, interpret=interpret)
-
-
 def xla_dot(x, w):
     return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -142,7 +131,7 @@ def variants(kernel: str):
     """(label, function, kwargs, layout): the package's tp1 H200 table schedule (bk128; gate/up st4,
     down st6), the package at bk64, the tile-major kernel at 1, 2 and 4 blocks a stage, and XLA."""
     gate_up = kernel == "gate_up"
-    package = package_gate_up if gate_up else package_down
+    package = tma_probes.package_gate_up if gate_up else tma_probes.package_down
     tiled = tiled_gate_up if gate_up else tiled_down
     d128 = 4 if gate_up else 6
     yield "package bk128", package, dict(block_k=128, depth=d128), "rows"
@@ -156,30 +145,12 @@ def variants(kernel: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--batches", default="1,64")
-    parser.add_argument("--interpret", action="store_true",
-                        help="check the bits on a small shape in interpret mode, no timing")
-    args = parser.parse_args()
-    device = jax.devices()[0]
-    print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)
-    if args.interpret:
-        s_r, hidden, copies = 128, 512, None
-    else:
-        from shared_expert_timing import Shape, down_copies, gate_up_copies
-        shape = Shape.k3(1)
-        s_r, hidden = shape.shared, shape.hidden
-        copies = dict(gate_up=gate_up_copies(shape), down=down_copies(shape))
+    args, device = tma_probes.start(__doc__, "1,64")
+    s_r, hidden, copies = tma_probes.weights(args.interpret)
     tile = jax.jit(tile_major)
     rows = []
     for batch in map(int, args.batches.split(",")):
-        keys = jax.random.split(jax.random.key(batch), 4)
-        x = jax.random.normal(keys[0], (batch, hidden), jnp.float32).astype(jnp.bfloat16)
-        h = jax.random.normal(keys[1], (batch, s_r), jnp.float32).astype(jnp.bfloat16)
-        small = dict(
-            gate_up=(jax.random.normal(keys[2], (2 * s_r, hidden)) / 20).astype(jnp.bfloat16),
-            down=(jax.random.normal(keys[3], (hidden, s_r)) / 20).astype(jnp.bfloat16))
+        x, h, small = tma_probes.operands(batch, s_r, hidden)
         for kernel, operand in (("gate_up", x), ("down", h)):
             layouts = dict(rows=copies[kernel] if copies else [small[kernel]])
             layouts["tiled"] = [tile(w) for w in layouts["rows"]]
@@ -189,36 +160,19 @@ def main() -> None:
                     if "bk256" in name:
                         continue
                     kw = dict(kw, depth=3, interpret=True)
-                weights = layouts[layout]
                 row = dict(batch=batch, kernel=kernel, variant=name, **{
                     k: v for k, v in kw.items() if k != "interpret"})
-                try:
-                    compiled = jax.jit(functools.partial(fn, **kw)).lower(
-                        operand, weights[0]).compile()
-                    out = np.asarray(compiled(operand, weights[0]).astype(jnp.float32))
-                    block_k = kw.get("block_k") or PANEL * kw.get("panels", 0)
-                    if name.startswith("package"):
-                        package[block_k] = out
-                    if block_k in package:
-                        row["same_bits"] = bool(np.array_equal(out, package[block_k]))
-                    if not args.interpret:
-                        from front_gemm_timing import cupti_us_per_call
-                        row["us"], row["kernels"] = cupti_us_per_call(compiled, operand, weights,
-                                                                       rounds=5)
-                        row["tbs"] = weights[0].nbytes / row["us"] / 1e6
-                except Exception as e:  # noqa: BLE001 -- a variant that fails is a row of the table
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                out = tma_probes.run_variant(functools.partial(fn, **kw), operand,
+                                             layouts[layout], row, args.interpret)
+                block_k = kw.get("block_k") or PANEL * kw.get("panels", 0)
+                if out is not None and name.startswith("package"):
+                    package[block_k] = out
+                if out is not None and block_k in package:
+                    row["same_bits"] = bool(np.array_equal(out, package[block_k]))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tiled_weight_probe.json"), "w") as f:
-        json.dump(dict(device=device.device_kind, rows=rows), f, indent=1)
-    print(f"\nshared expert at tp1 ({device.device_kind}): us per kernel, TB/s of weight read")
-    for r in rows:
-        result = (f"{r['us']:6.2f} us {r['tbs']:.2f} TB/s" if "us" in r else
-                  r.get("error", "")[:60] or "(not timed)")
-        print(f"B={r['batch']:>2} {r['kernel']:>7} {r['variant']:>15}: {result}  "
-              f"same bits as the package at its block_k: {r.get('same_bits', '-')}")
+    tma_probes.report(rows, args.out, "tiled_weight_probe", device.device_kind,
+                      "same bits as the package at its block_k")
 
 
 if __name__ == "__main__":

@@ -20,11 +20,8 @@ table prints last; rows go to $OUT/warp_specialized_probe.json.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import os
-import time
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +30,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+import tma_probes
 from moe_front_jax import reference
 from moe_front_jax.pallas import shared_expert_tma as tma
-from moe_front_jax.pallas.streaming import GemmConfig
-
-ROWS = 64
-BETA, LINEAR_BETA = 4.0, 25.0
+from tma_probes import BETA, LINEAR_BETA, ROWS
 
 
 def _ws_kernel(x, w, n_out, epilogue, *, block_k, depth, cluster, name, interpret=False):
@@ -109,20 +104,10 @@ def ws_down(hidden, down, **kw):
                       lambda acc: acc.astype(jnp.bfloat16), name="ws_down", **kw)[: hidden.shape[0]]
 
 
-def package_gate_up(x, gate_up, *, block_k, depth, interpret=False):
-    config = GemmConfig(ROWS, block_k, 1, 4, depth, tma=True)
-    return tma.gate_up_situ(x, gate_up, BETA, LINEAR_BETA, config=config, interpret=interpret)
-
-
-def package_down(hidden, down, *, block_k, depth, interpret=False):
-    config = GemmConfig(ROWS, block_k, 1, 4, depth, tma=True)
-    return tma.down_proj(hidden, down, config=config, interpret=interpret)
-
-
 def variants(kernel: str):
     """(label, function, kwargs): the package's best H200 schedules (tp1 table) and the probe's
     forms of them."""
-    package = package_gate_up if kernel == "gate_up" else package_down
+    package = tma_probes.package_gate_up if kernel == "gate_up" else tma_probes.package_down
     probe = ws_gate_up if kernel == "gate_up" else ws_down
     depths = (4, 5) if kernel == "gate_up" else (5, 6)
     yield "package", package, dict(block_k=128, depth=depths[0])
@@ -133,61 +118,28 @@ def variants(kernel: str):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--batches", default="1,32,64")
-    parser.add_argument("--interpret", action="store_true",
-                        help="check the bits on a small shape in interpret mode, no timing")
-    args = parser.parse_args()
-    device = jax.devices()[0]
-    print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)
-    if args.interpret:
-        s_r, hidden, copies = 256, 512, None
-    else:
-        from shared_expert_timing import Shape, down_copies, gate_up_copies
-        shape = Shape.k3(1)
-        s_r, hidden = shape.shared, shape.hidden
-        copies = dict(gate_up=gate_up_copies(shape), down=down_copies(shape))
+    args, device = tma_probes.start(__doc__, "1,32,64")
+    s_r, hidden, copies = tma_probes.weights(args.interpret)
     rows = []
     for batch in map(int, args.batches.split(",")):
-        keys = jax.random.split(jax.random.key(batch), 4)
-        x = jax.random.normal(keys[0], (batch, hidden), jnp.float32).astype(jnp.bfloat16)
-        h = jax.random.normal(keys[1], (batch, s_r), jnp.float32).astype(jnp.bfloat16)
-        small = dict(
-            gate_up=(jax.random.normal(keys[2], (2 * s_r, hidden)) / 20).astype(jnp.bfloat16),
-            down=(jax.random.normal(keys[3], (hidden, s_r)) / 20).astype(jnp.bfloat16))
+        x, h, small = tma_probes.operands(batch, s_r, hidden)
         for kernel, operand in (("gate_up", x), ("down", h)):
             weights = copies[kernel] if copies else [small[kernel]]
             first = None
             for name, fn, kw in variants(kernel):
                 if args.interpret:  # a small K: 8 steps of 64 columns through 3 stages
                     kw = dict(kw, block_k=64, depth=3, interpret=True)
-                fn_ = functools.partial(fn, **kw)
                 label = f"{name} bk{kw['block_k']} st{kw['depth']}"
                 row = dict(batch=batch, kernel=kernel, variant=label)
-                try:
-                    compiled = jax.jit(fn_).lower(operand, weights[0]).compile()
-                    out = np.asarray(compiled(operand, weights[0]).astype(jnp.float32))
+                out = tma_probes.run_variant(functools.partial(fn, **kw), operand, weights, row,
+                                             args.interpret)
+                if out is not None:
                     first = out if first is None else first
                     row["same_bits"] = bool(np.array_equal(out, first))
-                    if not args.interpret:
-                        from front_gemm_timing import cupti_us_per_call
-                        row["us"], row["kernels"] = cupti_us_per_call(compiled, operand, weights,
-                                                                       rounds=5)
-                        row["tbs"] = weights[0].nbytes / row["us"] / 1e6
-                except Exception as e:  # noqa: BLE001 -- a variant that fails is a row of the table
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "warp_specialized_probe.json"), "w") as f:
-        json.dump(dict(device=device.device_kind, rows=rows), f, indent=1)
-    print(f"\nshared expert at tp1 ({device.device_kind}): us per call, TB/s of weight read")
-    for r in rows:
-        result = (f"{r['us']:6.2f} us {r['tbs']:.2f} TB/s" if "us" in r else
-                  r.get("error", "")[:60] or "(not timed)")
-        print(f"B={r['batch']:>2} {r['kernel']:>7} {r['variant']:>18}: {result}  "
-              f"same bits as the package: {r.get('same_bits')}")
+    tma_probes.report(rows, args.out, "warp_specialized_probe", device.device_kind,
+                      "same bits as the package")
 
 
 if __name__ == "__main__":
