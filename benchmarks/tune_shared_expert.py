@@ -5,11 +5,11 @@ for each of the two kernels (gate/up with situ; down; up to B = 8 the vector sch
 each against XLA on the same data, times the correct ones with CUPTI over weights rotated past the
 L2, and keeps the fastest pair (a call's time is the sum of its kernels'). XLA's references and the
 schedules the keys run now are compiled and timed first, every one of them; ``--budget-s`` then
-bounds the candidates. A TMA gate/up that splits K hands ``shared_expert``'s Triton down ``hidden``
-transposed (``gate_up_situ_t``, then ``down_proj_t``), so it is timed so, and the grid and stream-K
-downs are timed on ``hidden.T`` too (``down_t``): such a gate/up pairs with the best ``down_t``, any
-other with the best down. Each kernel's XLA counterpart (the check's reference) is timed in the same
-run.
+bounds the candidates. A TMA gate/up that splits K (not ``batch_m``) hands ``shared_expert``'s
+Triton down ``hidden`` transposed (``gate_up_situ_t``, then ``down_proj_t``), so it is timed so,
+and the grid and stream-K downs are timed on ``hidden.T`` too (``down_t``): such a gate/up pairs
+with the best ``down_t``, any other with the best down. Each kernel's XLA counterpart (the check's
+reference) is timed in the same run.
 
   python benchmarks/tune_shared_expert.py --out $OUT [--table pallas/tuning/h200_shared_expert.json]
   python benchmarks/tune_shared_expert.py --batches 1,2 --merge --table ...   (add keys to a table)
@@ -62,8 +62,9 @@ KINDS = ("grid", "stream_k", "vector", "tma")
 
 
 def hands_over_transposed(c: GemmConfig | None) -> bool:
-    """A gate/up schedule after which ``shared_expert`` gives the Triton down ``hidden.T``."""
-    return c is not None and c.tma and c.split_k > 1
+    """A gate/up schedule after which ``shared_expert`` gives the Triton down ``hidden.T``: the
+    TMA gate/up with K split, whose partials lie batch-minor (not ``batch_m``'s)."""
+    return c is not None and c.tma and c.split_k > 1 and not c.batch_m
 
 
 def transposed(h: jax.Array) -> jax.Array:

@@ -45,8 +45,8 @@ TMA schedule (``GemmConfig(64, block_k, split_k, 4, stages, tma=True)``, ``B <= 
 ``shared_expert_tma``): either kernel in Mosaic GPU, one warpgroup per 64 weight rows over a
 ``K / split_k`` chunk, the weight streamed through a ring of TMA stages into wgmma; where K is split
 or the output is float32, XLA sums the kernel's float32 partials and runs the epilogue. A gate/up
-that splits K leaves ``hidden`` transposed, ``[S_r, Bp]``, as its partials lie, and a grid or
-stream-K down reads it so (``down_proj_t``, ``Geometry.x_t``): one XLA fusion between the two
+that splits K (without ``batch_m``) leaves ``hidden`` transposed, ``[S_r, Bp]``, as its partials
+lie, and a grid or stream-K down reads it so (``down_proj_t``, ``Geometry.x_t``): one XLA fusion between the two
 kernels instead of a reduction and a transpose. With ``batch_m=True`` the batch is wgmma's M and
 the CTA's weight rows its N, any multiple of 8: tp1's 6144 gate rows in 128 CTAs of 48 and 7168
 down rows in 128 of 56, where 64-row CTAs leave 36 and 20 of the 132 SMs idle; the H100 runs it at
@@ -545,9 +545,11 @@ def shared_expert(
             x, gate_up, down, cfg.situ_beta, cfg.linear_beta, out_dtype,
             gate_up_config=config.gate_up, down_config=config.down, interpret=interpret,
         )
-    if config.gate_up.tma and config.gate_up.split_k > 1 and not config.down.vector:
+    if (config.gate_up.tma and config.gate_up.split_k > 1 and not config.gate_up.batch_m
+            and not config.down.vector):
         # hidden stays in the layout of the TMA kernel's partials (the batch minor): one XLA
-        # fusion between the kernels instead of two.
+        # fusion between the kernels instead of two. (batch_m's partials are batch-major: its
+        # hidden goes to the down as it is, below.)
         h_t = shared_expert_tma.gate_up_situ_t(x, gate_up, cfg.situ_beta, cfg.linear_beta,
                                                config=config.gate_up, interpret=interpret)
         return down_proj_t(h_t, down, x.shape[0], out_dtype, interpret=interpret,

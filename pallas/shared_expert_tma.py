@@ -49,7 +49,9 @@ epilogue leaves ``hidden`` in that layout, ``[S_r, Bp]`` (``gate_up_situ_t``): s
 situ are then one XLA fusion, where a transpose to ``[B, S_r]`` split them into a reduction and a
 transpose, 1.0-1.4 us more at tp8 (``benchmarks/split_epilogue_probe.py``, thirteenth session).
 ``shared_expert.shared_expert`` hands that ``hidden.T`` to its Triton down as it is;
-``gate_up_situ`` returns it transposed.
+``gate_up_situ`` returns it transposed. With ``batch_m`` the partials, and so ``hidden``, are
+batch-major: ``gate_up_situ`` slices it, ``gate_up_situ_t`` transposes it, and
+``shared_expert.shared_expert`` gives a Triton down ``hidden`` itself.
 
 Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the kernels' split_k where they hand XLA partials):
   bytes = 2 * 2 * S_r * H + 2 * H * S_r    the two weights, each read once (264.2 MB at tp1, 33.0 MB

@@ -402,9 +402,9 @@ def test_interpret_down_from_transposed_hidden_matches_float64_exactly(out_dtype
 @pytest.mark.parametrize("batch", [3, 13, 21])
 def test_interpret_tma_split_gate_up_hands_the_down_hidden_transposed(batch, batch_m):
     """The TMA gate/up with K split beside a Triton down (tp8's table): ``gate_up_situ_t`` is
-    ``gate_up_situ`` transposed, with zero columns to Bp, and ``shared_expert`` through it gives
-    the two public kernels' result bit for bit (``batch_m``'s partials lie the other way round:
-    XLA transposes)."""
+    ``gate_up_situ`` transposed, with zero columns to Bp, and ``shared_expert`` (through it, or
+    with ``batch_m``, whose partials lie batch-major, through ``hidden`` itself) gives the two
+    public kernels' result bit for bit."""
     cfg = dataclasses.replace(K3, hidden=SMALL_HIDDEN, shared=256)
     _, gate_up, down = rank_slices(mf.init_weights(jax.random.key(1), cfg), cfg, 0,
                                    cfg.experts_per_rank)
