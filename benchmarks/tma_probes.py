@@ -20,14 +20,16 @@ ROWS = 64
 BETA, LINEAR_BETA = 4.0, 25.0
 
 
-def start(doc: str, batches: str) -> tuple[argparse.Namespace, jax.Device]:
-    """A probe's arguments (``--out``, ``--batches``, default ``batches``; ``--interpret``) and its
-    device, printed with the time."""
+def start(doc: str, batches: str, extra=None) -> tuple[argparse.Namespace, jax.Device]:
+    """A probe's arguments (``--out``, ``--batches``, default ``batches``; ``--interpret``; those
+    ``extra(parser)`` adds) and its device, printed with the time."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--batches", default=batches)
     parser.add_argument("--interpret", action="store_true",
                         help="check the bits on a small shape in interpret mode, no timing")
+    if extra:
+        extra(parser)
     args = parser.parse_args()
     device = jax.devices()[0]
     print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)
@@ -77,7 +79,8 @@ def run_variant(fn, operand, copies, row: dict, interpret: bool) -> np.ndarray |
         if not interpret:
             from front_gemm_timing import cupti_us_per_call
             row["us"], row["kernels"] = cupti_us_per_call(compiled, operand, copies, rounds=5)
-            row["tbs"] = copies[0].nbytes / row["us"] / 1e6
+            nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(copies[0]))
+            row["tbs"] = nbytes / row["us"] / 1e6
         return out
     except Exception as e:  # noqa: BLE001 -- a variant that fails is a row of the table
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
