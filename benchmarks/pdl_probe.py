@@ -16,9 +16,11 @@ Variants (the package's TMA kernels written with a ring of our own, so that the 
 activation copies of each stage can be issued apart; 64-row CTAs, no K split in the down; every
 output bfloat16, tp8's too, where ``moe_front`` asks the float32 partial sum):
 
-  ring       our ring, no PDL (the control: the same kernels without it)
+  ring       our ring, no PDL (the control for the three below)
   package    the package's kernels at the same stages (tp1: the TMA gate/up and down; tp8: the
-             table's schedules, not bit-equal to ring's)
+             table's schedules, not bit-equal to ring's), each of its TMA kernels waiting first
+             thing (``shared_expert_tma.LAUNCH_WITH_PDL``)
+  no PDL     the same with ``LAUNCH_WITH_PDL`` off, as the package ran before this probe
   pdl        the down waits after its weight prologue (tp8: behind XLA's split-K epilogue, which
              follows the package's TMA gate/up split 8 ways with ``batch_m``)
   pdl+early  and the gate/up calls ``griddepcontrol_launch_dependents`` as it starts, so that the
@@ -182,6 +184,18 @@ def down(hidden, down_w, *, block_k, depth, wait=False, early=False, interpret=F
                    ("tile",), interpret, "probe_down", hidden, down_w)
 
 
+def _without_pdl(fn):
+    """``fn`` traced with ``shared_expert_tma.LAUNCH_WITH_PDL`` off."""
+    def traced(x, w):
+        saved, tma.LAUNCH_WITH_PDL = tma.LAUNCH_WITH_PDL, False
+        try:
+            return fn(x, w)
+        finally:
+            tma.LAUNCH_WITH_PDL = saved
+
+    return traced
+
+
 def variants(tp: int, cfg, args) -> dict:
     """name -> ``fn(x, (gate_up, down))`` for the probe's variants at ``tp``."""
     gu = dict(block_k=args.gate_up_stages[0], depth=args.gate_up_stages[1])
@@ -198,6 +212,7 @@ def variants(tp: int, cfg, args) -> dict:
 
         found = dict(ring=chain({}, {}), package=lambda x, w: tma.shared_expert(
             x, *w, BETA, LINEAR_BETA, **configs, **interpret))
+        found["no PDL"] = _without_pdl(found["package"])
         found["pdl"] = chain({}, dict(wait=pdl))
         found["pdl+early"] = chain(dict(early=pdl), dict(wait=pdl))
         found["pdl both"] = chain(dict(wait=pdl, early=pdl), dict(wait=pdl, early=pdl))
@@ -211,6 +226,7 @@ def variants(tp: int, cfg, args) -> dict:
             found["package"] = lambda x, w: se.shared_expert(
                 x, *w, cfg, jnp.bfloat16,
                 config=se.pick_config(cfg.shared_per_rank, cfg.hidden, x.shape[0]))
+            found["no PDL"] = _without_pdl(found["package"])
     if not args.interpret:
         found["xla"] = lambda x, w: reference.shared_expert(x, *w, cfg, jnp.bfloat16)
     return found
@@ -303,7 +319,7 @@ def main() -> None:
                 row = dict(tp=tp, batch=batch, variant=name)
                 outs[name] = tma_probes.run_variant(fn, xs[0], pairs, row, args.interpret)
                 if outs[name] is not None and outs["ring"] is not None and name != "xla" and not (
-                        tp > 1 and name == "package"):
+                        tp > 1 and name in ("package", "no PDL")):
                     row["same_bits"] = bool(np.array_equal(outs[name], outs["ring"]))
                 if not args.interpret and "error" not in row:
                     jobs.append((row, chain_program(fn, xs, pairs)))

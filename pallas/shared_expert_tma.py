@@ -107,6 +107,21 @@ they finish, so a ring of ``num_stages`` keeps ``num_stages - WGMMA_STEPS_IN_FLI
 ahead."""
 
 
+LAUNCH_WITH_PDL = True
+"""Each kernel starts with ``griddepcontrol_wait``, before it reads anything: Mosaic GPU then
+launches it with programmatic dependent launch, so that its CTAs are set up while the kernel before
+it finishes, and the wait holds them until that kernel's writes are visible. XLA launches its own
+kernels so; without it, on an H100 (stream launches, twentieth session), the down started 1.1-1.6
+us after the gate/up ended. ``benchmarks/pdl_probe.py`` times the kernels with and without."""
+
+
+def _await_inputs(interpret: bool) -> None:
+    """The kernel's first step (``LAUNCH_WITH_PDL``). Interpret mode runs kernels one after
+    another and has no rule for the instruction: there it is left out."""
+    if LAUNCH_WITH_PDL and not interpret:
+        plgpu.griddepcontrol_wait()
+
+
 def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int, part=0):
     """The float32 accumulators of the weight's row tiles ``first_tiles`` (counted in
     ``block_rows``) against ``x`` over K chunk ``part`` of ``split_k``: ``num_stages`` TMA stages of
@@ -206,6 +221,7 @@ def _partials(x, w, parts: int, config: GemmConfig, interpret: bool, name: str):
     bp, tiles = padded_batch(x.shape[0]), w.shape[0] // parts // rows
 
     def kernel(x_gmem, w_gmem, out_gmem):
+        _await_inputs(interpret)
         part, tile = lax.axis_index("part"), lax.axis_index("tile")
         accs = _stream(x_gmem, w_gmem, tuple(tile + p * tiles for p in range(parts)), config, bp,
                        part)
@@ -278,6 +294,7 @@ def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool)
         return hidden[:batch] if config.batch_m else hidden[:, :batch].T
 
     def kernel(x_gmem, w_gmem, out_gmem):
+        _await_inputs(interpret)
         tile = lax.axis_index("tile")
         gate, up = _stream(x_gmem, w_gmem, (tile, tile + tiles), config, bp)
         hidden = reference.situ(gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16), beta,
@@ -302,6 +319,7 @@ def _down(hidden, down, out_dtype, config: GemmConfig, interpret: bool):
         return (y[:batch] if config.batch_m else y[:, :batch].T).astype(out_dtype)
 
     def kernel(h_gmem, w_gmem, out_gmem):
+        _await_inputs(interpret)
         tile = lax.axis_index("tile")
         (acc,) = _stream(h_gmem, w_gmem, (tile,), config, bp)
         store = functools.partial(_store_rows, bp=bp) if config.batch_m else _store_transposed

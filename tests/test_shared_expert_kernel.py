@@ -460,6 +460,28 @@ def test_tma_schedule_lowers_for_h200_as_two_mosaic_kernels():
                     (1, 1) if batch == 37 else (0, 0)), batch
 
 
+@pytest.mark.parametrize("launch_with_pdl", [True, False])
+def test_tma_kernels_launch_with_pdl(monkeypatch, launch_with_pdl):
+    """Each TMA kernel (tp1's two; tp8's split gate/up and down) starts with griddepcontrol.wait,
+    so Mosaic GPU marks its module for programmatic dependent launch; with
+    ``LAUNCH_WITH_PDL`` off, none does."""
+    monkeypatch.setattr(st, "LAUNCH_WITH_PDL", launch_with_pdl)
+    for tp, out_dtype in ((1, jnp.bfloat16), (8, jnp.float32)):
+        cfg = K3.with_tp(tp)
+        split = 1 if tp == 1 else 8
+        config = se.SharedExpertConfig(TMA(128, split_k=split, num_stages=4),
+                                       TMA(128, split_k=1, num_stages=4))
+        s_r = cfg.shared_per_rank
+        x = jnp.zeros((8, K3.hidden), jnp.bfloat16)
+        gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
+        down = jnp.zeros((K3.hidden, s_r), jnp.bfloat16)
+        text = lower_for_h200(functools.partial(se.shared_expert, cfg=cfg, out_dtype=out_dtype,
+                                                config=config), x, gate_up, down)
+        assert text.count("@mosaic_gpu_v2") == 2, tp
+        assert text.count("mosaic_gpu.uses_pdl") == (2 if launch_with_pdl else 0), tp
+        assert text.count("griddepcontrol.wait") == (2 if launch_with_pdl else 0), tp
+
+
 def test_tma_config_and_request_errors():
     """A TMA schedule is 64 rows (with ``batch_m``: a multiple of 8 up to 256), one warpgroup, two
     stages or more; a request it does not cover is a NotImplementedError that says so."""
