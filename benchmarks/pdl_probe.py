@@ -37,12 +37,14 @@ reference stage is timed both ways beside them. Run it with
 ``XLA_FLAGS=--xla_gpu_enable_command_buffer=``: the kernels a CUDA graph launches are missing from
 the trace. The table prints last; rows go to $OUT/pdl_probe.json.
 
-Found on an H100 (benchmarks/RESULTS.md, twentieth session; no H200 came): PDL works through
-XLA (the down starts 0.1-0.3 us before the gate/up ends, where 1.2-1.6 us after it without),
-and takes that gap out of the call's span, but our ring costs about 1 us of kernel time against
-the package's pipeline, so ``pdl`` is level with the package, and only ``pdl+early`` at B=64 is
-ahead (94.7 against 96.5 us); ``pdl both`` is slower. The package stays on its pipeline and
-launches; CUPTI's sums, which the targets were measured with, cannot show what PDL gains.
+Found on an H100 (benchmarks/RESULTS.md, twentieth session; no H200 came): XLA launches its own
+kernels with PDL (each starts 0.1-0.4 us before the one it follows ends), and the package's TMA
+kernels did not: the down started 1.2-2.5 us after the gate/up. Waiting first thing
+(``LAUNCH_WITH_PDL``, now the package's) takes that gap out: tp1 spans 88.4 against 90.2 us at
+B=1 and 94.1 against 96.8 at B=64, CUPTI's sums level. The weight prologue before the wait
+(``pdl``) gains nothing more, as our ring costs about 1 us of kernel time against the package's
+pipeline; ``pdl+early`` is level with the package at B=64 and behind at B=1, and ``pdl both`` is
+slower. Spans at tp8 hold the host's launches (XLA's command buffers off) and say little.
 """
 
 from __future__ import annotations
