@@ -42,7 +42,7 @@ kernels with PDL (each starts 0.1-0.4 us before the one it follows ends), and th
 kernels did not: the down started 1.2-2.5 us after the gate/up. Waiting first thing
 (``LAUNCH_WITH_PDL``, now the package's) takes that gap out: tp1 spans 88.4 against 90.2 us at
 B=1 and 94.1 against 96.8 at B=64, CUPTI's sums level. The weight prologue before the wait
-(``pdl``) gains nothing more, as our ring costs about 1 us of kernel time against the package's
+(``pdl``) gains nothing more, as our ring costs 0.6-2.1 us of kernel time against the package's
 pipeline; ``pdl+early`` is level with the package at B=64 and behind at B=1, and ``pdl both`` is
 slower. Spans at tp8 hold the host's launches (XLA's command buffers off) and say little.
 """
