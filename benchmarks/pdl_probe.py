@@ -28,16 +28,14 @@ output bfloat16, tp8's too, where ``moe_front`` asks the float32 partial sum):
   pdl both   the gate/up waits too (after its own weight prologue) and both trigger early, so a
              call's gate/up overlaps the previous call's down
 
-Each is checked bit for bit against ``ring``, then timed three ways over weight copies rotated
-past the L2: CUPTI's summed kernel time per call (``run_variant``; a kernel launched early counts
-its wait, so PDL can only look slower there); the wall time per call of jitted programs of
-``CHAIN`` calls (distinct rows and weights per call) queued back to back (``wall_us``: every gap
-counts, inside CUDA graphs where XLA uses them); and a call's span, its first kernel's start to
-its last kernel's end, from the profiler's trace of such programs: what a decode step waits, the
-gap between the kernels included. XLA's reference stage is timed the same ways beside them. The
-trace lacks the kernels a CUDA graph launches: for spans, run with
-``XLA_FLAGS=--xla_gpu_enable_command_buffer=``. The table prints last; rows go to
-$OUT/pdl_probe.json.
+Each is checked bit for bit against ``ring``, then timed two ways over weight copies rotated past
+the L2: CUPTI's summed kernel time per call (``run_variant``; a kernel launched early counts its
+wait, so PDL can only look slower there), and a call's span, its first kernel's start to its last
+kernel's end, from the profiler's trace of ``CHAIN`` calls in one jitted program (distinct rows
+and weights per call): what a decode step waits, the gap between the kernels included. XLA's
+reference stage is timed both ways beside them. Run it with
+``XLA_FLAGS=--xla_gpu_enable_command_buffer=``: the kernels a CUDA graph launches are missing from
+the trace. The table prints last; rows go to $OUT/pdl_probe.json.
 
 Found on an H100 (benchmarks/RESULTS.md, twentieth session; no H200 came): XLA launches its own
 kernels with PDL (each starts 0.1-0.4 us before the one it follows ends), and the package's TMA
@@ -57,7 +55,6 @@ import gzip
 import json
 import os
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -252,20 +249,6 @@ def call_spans(timeline: list, kernels_per_call: int) -> list[float]:
     return [max(start + duration for _, start, duration in call) - call[0][1] for call in calls]
 
 
-def wall_us(program, few: int = 4, many: int = 24, rounds: int = 3) -> float:
-    """Per call, the host's wall time of ``program``s queued back to back, as the slope between
-    ``few`` and ``many`` programs (the queue's start and the final wait cancel), the median over
-    ``rounds``. A tp1 program is milliseconds of GPU work, so the GPU, not the host, sets the pace;
-    gaps between calls and between kernels count, in CUDA graphs where XLA uses them."""
-    def seconds(count):
-        start = time.perf_counter()
-        jax.block_until_ready([program() for _ in range(count)])
-        return time.perf_counter() - start
-
-    slopes = [(seconds(many) - seconds(few)) / (many - few) for _ in range(rounds)]
-    return float(np.median(slopes)) / CHAIN * 1e6
-
-
 def span(row: dict, program, programs: int = 12) -> None:
     """For ``program`` (``chain_program``'s; ``row["kernels"]`` the kernels of one call), from a
     profiler trace of ``programs`` programs run one at a time: ``row["call_span_us"]``, the median
@@ -345,8 +328,6 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     for row, program in jobs:
-        row["wall_us"] = wall_us(program)
-    for row, program in jobs:
         span(row, program)
         print(row["variant"], row.get("call_span_us", row.get("span_error")),
               row.get("programs_traced"), flush=True)
@@ -355,11 +336,10 @@ def main() -> None:
         json.dump(dict(device=device.device_kind, chain=CHAIN, rows=rows), f, indent=1)
     print(f"\nshared expert ({device.device_kind}): us per call; CUPTI = summed kernel time, "
           f"span = a call's first kernel start to last kernel end (median, traced calls of "
-          f"{CHAIN} back to back); wall = programs of {CHAIN} calls queued, per call; bits "
-          f"against ring")
+          f"{CHAIN} back to back); bits against ring")
     for r in rows:
-        timed = (f"CUPTI {r['us']:6.2f}  span {r.get('call_span_us', float('nan')):6.2f}  "
-                 f"wall {r.get('wall_us', float('nan')):6.2f}" if "us" in r
+        timed = (f"CUPTI {r['us']:6.2f}  span {r.get('call_span_us', float('nan')):6.2f}"
+                 if "us" in r
                  else r.get("error", "")[:70] or "(not timed)")
         timed += f" {r['span_error']}" if "span_error" in r else ""
         print(f"tp{r['tp']} B={r['batch']:>2} {r['variant']:>10}: {timed}  "
