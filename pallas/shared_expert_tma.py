@@ -111,11 +111,10 @@ LAUNCH_WITH_PDL = True
 """Each kernel starts with ``griddepcontrol_wait``, before it reads anything: Mosaic GPU then
 launches it with programmatic dependent launch, so that its CTAs are set up while the kernel before
 it finishes, and the wait holds them until that kernel's writes are visible. XLA launches its own
-kernels so. On an H100 (``benchmarks/pdl_probe.py``, XLA's command buffers off, twentieth session)
-the down started 1.2-2.5 us after the gate/up ended without it and 0.1-0.8 us before with it; a
-tp1 call's span, first kernel start to last kernel end, went from 90.2 to 88.4 us at B=1 and from
-96.8 to 94.1 at B=64, with the kernels' summed CUPTI time level (within 0.3 us). Not yet measured
-inside a CUDA graph, nor on an H200."""
+kernels so. On an H100 (``benchmarks/pdl_probe.py``, twentieth session) the down started 1.2-2.5
+us after the gate/up ended without it and 0.1-0.8 us before with it; a tp1 call's span, first
+kernel start to last kernel end, went from 89.7-90.2 to 88.4 us at B=1 and from 95.5-96.8 to 94.1-94.2
+at B=64, with the kernels' summed CUPTI time level (within 0.3 us). Not yet measured on an H200."""
 
 
 def _await_inputs(interpret: bool) -> None:
