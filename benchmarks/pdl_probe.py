@@ -332,8 +332,9 @@ def main() -> None:
         print(row["variant"], row.get("call_span_us", row.get("span_error")),
               row.get("programs_traced"), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "pdl_probe.json"), "w") as f:
-        json.dump(dict(device=device.device_kind, chain=CHAIN, rows=rows), f, indent=1)
+    with open(os.path.join(args.out, "pdl_probe.json"), "w") as f:  # a row a line
+        f.write(f'{{"device": {json.dumps(device.device_kind)}, "chain": {CHAIN}, "rows": [\n')
+        f.write(",\n".join(json.dumps(row) for row in rows) + "\n]}\n")
     print(f"\nshared expert ({device.device_kind}): us per call; CUPTI = summed kernel time, "
           f"span = a call's first kernel start to last kernel end (median, traced calls of "
           f"{CHAIN} back to back); bits against ring")

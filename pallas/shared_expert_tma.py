@@ -41,6 +41,10 @@ through a transposed shared-memory view into ``[Bp, 64]`` and TMA-stored at colu
 the ``[B, .]`` output (rows past B clipped). Mosaic GPU in jax 0.11.2 stores a bfloat16 tile through
 a transposed view, not a float32 one.
 
+Every kernel waits for the kernel before it first thing (``LAUNCH_WITH_PDL``), so that it is
+launched with programmatic dependent launch, as XLA launches its own kernels, and the gap between
+the gate/up and the down closes.
+
 Split K (``split_k > 1``: tp8's 768 gate rows are 12 CTAs, so K is split 8-16 ways) and float32
 output (the partial sum under tp): the CTA ``(part, tile)`` stores its float32 accumulators, as they
 lie, into partials ``[split_k, parts, rows, Bp]`` (``_partials``; Mosaic GPU in jax 0.11.2 has no
@@ -113,8 +117,9 @@ launches it with programmatic dependent launch, so that its CTAs are set up whil
 it finishes, and the wait holds them until that kernel's writes are visible. XLA launches its own
 kernels so. On an H100 (``benchmarks/pdl_probe.py``, twentieth session) the down started 1.2-2.5
 us after the gate/up ended without it and 0.1-0.8 us before with it; a tp1 call's span, first
-kernel start to last kernel end, went from 89.7-90.2 to 88.4 us at B=1 and from 95.5-96.8 to 94.1-94.2
-at B=64, with the kernels' summed CUPTI time level (within 0.3 us). Not yet measured on an H200."""
+kernel start to last kernel end, went from 89.7-90.2 to 88.4 us at B=1 and from 95.5-96.8 to
+94.1-94.2 at B=64, with the kernels' summed CUPTI time level (within 0.3 us). Not yet measured on
+an H200."""
 
 
 def _await_inputs(interpret: bool) -> None:
