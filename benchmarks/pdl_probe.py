@@ -33,9 +33,10 @@ the L2: CUPTI's summed kernel time per call (``run_variant``; a kernel launched 
 wait, so PDL can only look slower there), and a call's span, its first kernel's start to its last
 kernel's end, from the profiler's trace of ``CHAIN`` calls in one jitted program (distinct rows
 and weights per call): what a decode step waits, the gap between the kernels included. XLA's
-reference stage is timed both ways beside them. Run it with
-``XLA_FLAGS=--xla_gpu_enable_command_buffer=``: the kernels a CUDA graph launches are missing from
-the trace. The table prints last; rows go to $OUT/pdl_probe.json.
+reference stage is timed both ways beside them. The recorded runs turned XLA's command buffers
+off (``XLA_FLAGS=--xla_gpu_enable_command_buffer=``), so that every kernel is a stream launch; one
+run with them on gave the same spans (whether its traced programs ran as CUDA graphs, the trace
+does not say). The table prints last; rows go to $OUT/pdl_probe.json.
 
 Found on an H100 (benchmarks/RESULTS.md, twentieth session; no H200 came): XLA launches its own
 kernels with PDL (each starts 0.1-0.4 us before the one it follows ends), and the package's TMA
