@@ -1,6 +1,7 @@
 """Pieces shared by the probes of the shared expert's TMA kernels (``warp_specialized_probe``,
-``tiled_weight_probe``): the package's kernels at a given stage width and ring, the probes' data,
-and the run of one variant (compile, output, CUPTI time) and the results' table."""
+``tiled_weight_probe``, ``batch_cost_probe``, ``x_registers_probe``, ``merged_gate_up_probe``):
+the package's kernels at a given stage width and ring, the probes' data, and the run of one
+variant (compile, output, CUPTI time) and the results' table."""
 
 from __future__ import annotations
 
