@@ -21,9 +21,9 @@ rows go to $OUT/batch_cost_probe.json.
 
 Found on an H100 (benchmarks/RESULTS.md, twenty-first session, five runs): the ring alone, no
 ``x`` copied and no wgmma, reads at XLA's row sum (gate/up 57.1-57.6 us against 56.1-57.3). At
-B=64 copying ``x``'s 64 rows instead of 8 costs the gate/up 1.3-2.0 us and the down 0.8-1.3, the
-wgmmas over 64 rows instead of 8 another 1.7-2.2 and 0.6-1.0. Three changes aimed at those shares
-gain nothing: the CTAs' K steps rotated (slower by up to 1.4 us on the gate/up), ``x`` copied before
+B=64 copying ``x``'s 64 rows instead of 8 costs the gate/up 0.9-2.0 us and the down 0.7-1.3, the
+wgmmas over 64 rows instead of 8 another 1.7-2.5 and 0.6-1.0. Three changes aimed at those shares
+gain nothing: the CTAs' K steps rotated (slower by up to 1.3 us on the gate/up), ``x`` copied before
 the weight (within the runs' spread), and each step waiting for its own wgmmas (3 us slower with
 the same ring, level with one stage fewer). Not yet run on an H200.
 """
