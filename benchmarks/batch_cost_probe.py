@@ -138,7 +138,7 @@ def variants(kernel: str, batch: int, interpret: bool):
         yield (f"copy x{batch} mma{batch} st{depth} wait",
                functools.partial(ablation, parts=parts, x_rows=batch, mma_rows=batch,
                                  depth=depth, in_flight=0, interpret=interpret), True)
-    yield "xla row sum", lambda a, w: w.astype(jnp.float32).sum(axis=1), False
+    yield "xla row sum", tma_probes.xla_row_sum, False
 
 
 def main() -> None:

@@ -122,8 +122,7 @@ def main() -> None:
                 results.append(row)
                 print(json.dumps(row), flush=True)
         row = dict(batch=batch, kernel="gate_up", variant="xla row sum")
-        tma_probes.run_variant(lambda a, w: w.astype(jnp.float32).sum(axis=1), x, plain, row,
-                               args.interpret)
+        tma_probes.run_variant(tma_probes.xla_row_sum, x, plain, row, args.interpret)
         results.append(row)
     tma_probes.report(results, args.out, "merged_gate_up_probe", device.device_kind,
                       "bits equal to the package's batch_m at its rows")

@@ -121,12 +121,6 @@ def xla_dot(x, w):
     return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def xla_row_sum(x, w):
-    """The read ceiling: XLA's row sum of the weight (``x`` unused)."""
-    del x
-    return w.astype(jnp.float32).sum(axis=1)
-
-
 def variants(kernel: str):
     """(label, function, kwargs, layout): the package's tp1 H200 table schedule (bk128; gate/up st4,
     down st6), the package at bk64, the tile-major kernel at 1, 2 and 4 blocks a stage, and XLA."""
@@ -141,7 +135,7 @@ def variants(kernel: str):
     yield "tiled bk128 +1", tiled, dict(panels=2, depth=d128 + 1), "tiled"
     yield "tiled bk256", tiled, dict(panels=4, depth=max(2, d128 // 2)), "tiled"
     yield "xla dot", xla_dot, {}, "rows"
-    yield "xla row sum", xla_row_sum, {}, "rows"
+    yield "xla row sum", tma_probes.xla_row_sum, {}, "rows"
 
 
 def main() -> None:

@@ -49,6 +49,12 @@ def package_down(hidden, down, *, block_k, depth, interpret=False):
     return tma.down_proj(hidden, down, config=config, interpret=interpret)
 
 
+def xla_row_sum(x, w):
+    """The read ceiling: XLA's row sum of the weight (``x`` unused)."""
+    del x
+    return w.astype(jnp.float32).sum(axis=1)
+
+
 def weights(interpret: bool) -> tuple[int, int, dict | None]:
     """``(S_r, H, copies)``: K3's tp1 shape and its rotated weight copies (``gate_up``, ``down``)
     on the GPU; a small shape and no copies in interpret mode (``operands`` makes its weights)."""

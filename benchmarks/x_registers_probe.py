@@ -119,7 +119,7 @@ def variants(kernel: str, interpret: bool, small: bool):
         for prefetch in (1, 2, 3):
             yield (f"registers r{rows} ahead {prefetch}",
                    functools.partial(registers_kernel, prefetch=prefetch, **common), rows)
-    yield "xla row sum", lambda a, w: w.astype(jnp.float32).sum(axis=1), None
+    yield "xla row sum", tma_probes.xla_row_sum, None
 
 
 def main() -> None:
