@@ -1,13 +1,15 @@
 """Benchmark the Pallas shared expert beside XLA's on the GPU (CUPTI time, weights rotated past L2).
 
-  python benchmarks/bench_shared_expert.py --out $OUT [--table <a tune_shared_expert table>]
+  python benchmarks/bench_shared_expert.py --out $OUT [--table <a tuner table>] [--spans]
 
 For tp in {1, 8} and B in {1, 2, 4, 8, 16, 32, 64}: the two kernels (gate/up with situ, then down; the tuning
 table's schedules, or --table's) and the XLA reference stage (``reference.shared_expert``: dot, slice,
 casts, situ, dot), each in the dtype ``moe_front`` asks for (bfloat16 at tp1, the float32 partial sum
 under tp); effective TB/s over the weight bytes (gate_up + down), the floor at the measured read
-ceiling, and the ratio XLA / kernel. The table prints last; the results go to
-$OUT/bench_shared_expert.json in benchmarks/README.md's format (stage "shared_expert").
+ceiling, and the ratio XLA / kernel. With ``--spans``, each call's span too (``call_spans``: its
+first kernel's start to its last kernel's end in a profiler trace of 8 calls in sequence, the gaps
+between its kernels included, which CUPTI's sums leave out). The table prints last; the results go
+to $OUT/bench_shared_expert.json in benchmarks/README.md's format (stage "shared_expert").
 """
 
 from __future__ import annotations
@@ -21,10 +23,35 @@ import time
 import jax
 import jax.numpy as jnp
 
+import call_spans
 from moe_front_jax import reference
 from moe_front_jax.pallas import shared_expert as se
 from front_gemm_timing import READ_CEILING_TBS, cupti_us_per_call, tbs
 from shared_expert_timing import Shape, random_copies, rows
+
+
+def chain_operands(shape: Shape, batch: int) -> tuple[list, list]:
+    """``call_spans.CHAIN`` distinct rows ``x`` and ``(gate_up, down)`` pairs for a span's
+    program (distinct, so that XLA merges no dots across its calls)."""
+    nbytes = call_spans.CHAIN * shape.weight_bytes
+    pairs = list(zip(
+        random_copies((2 * shape.shared, shape.hidden), shape.hidden, nbytes, seed=shape.tp),
+        random_copies((shape.hidden, shape.shared), shape.shared, nbytes, seed=100 + shape.tp),
+    ))[:call_spans.CHAIN]
+    return [rows(batch, shape.hidden, seed=i) for i in range(call_spans.CHAIN)], pairs
+
+
+def spans(row: dict, fns: dict, operands: tuple[list, list]) -> None:
+    """``row[backend + "_span_us"]``, ``call_spans.span``'s median call span of ``fns[backend]``
+    over ``operands`` (``chain_operands``), and the traced programs' kernels
+    (``row[backend + "_timeline"]``), for each backend; a trace that does not split into calls is
+    ``row[backend + "_span_error"]``."""
+    for backend, fn in fns.items():
+        timed = dict(kernels=row[backend + "_kernels"])
+        call_spans.span(timed, call_spans.chain_program(fn, *operands))
+        for key in ("call_span_us", "span_error", "timeline"):
+            if key in timed:
+                row[f"{backend}_{key.removeprefix('call_')}"] = timed[key]
 
 
 def main() -> None:
@@ -34,6 +61,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8,16,32,64")
     parser.add_argument("--table", default=None,
                         help="take the schedules from this table file instead of the package's")
+    parser.add_argument("--spans", action="store_true",
+                        help="also time each call's span, its kernels' gaps included")
     args = parser.parse_args()
     device = jax.devices()[0]
     print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)
@@ -86,6 +115,14 @@ def main() -> None:
                                     time_us=round(us, 3), bytes=s.weight_bytes))
             detail.append(row)
             print(json.dumps(row), flush=True)
+    if args.spans:  # after every CUPTI timing: the trace holds CUPTI
+        del weights, compiled
+        for row in detail:
+            tp, batch = row["tp"], row["batch"]
+            spans(row, {b: variant(tp, batch, b) for b in ("pallas", "xla")},
+                  chain_operands(shapes[tp], batch))
+            print(tp, batch, "span", row.get("pallas_span_us"), row.get("xla_span_us"),
+                  flush=True)
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_shared_expert.json"), "w") as f:
@@ -96,12 +133,18 @@ def main() -> None:
             detail=detail,
         ), f, indent=1)
     print(f"\n{'tp':>3} {'B':>4} {'kernel':>8} {'TB/s':>6} {'floor':>6} {'x floor':>7} "
-          f"{'xla':>8} {'TB/s':>6} {'xla/k':>6}   (us; weight bytes / time)")
+          f"{'xla':>8} {'TB/s':>6} {'xla/k':>6}" + ("  span: kernel / xla" if args.spans else "")
+          + "   (us; weight bytes / time)")
     for r in detail:
         s = shapes[r["tp"]]
-        print(f"{r['tp']:>3} {r['batch']:>4} {r['pallas']:>8.2f} {tbs(s.weight_bytes, r['pallas']):>6.2f} "
-              f"{r['floor_us']:>6.2f} {r['pallas'] / r['floor_us']:>7.2f} {r['xla']:>8.2f} "
-              f"{tbs(s.weight_bytes, r['xla']):>6.2f} {r['xla'] / r['pallas']:>6.2f}")
+        line = (f"{r['tp']:>3} {r['batch']:>4} {r['pallas']:>8.2f} "
+                f"{tbs(s.weight_bytes, r['pallas']):>6.2f} {r['floor_us']:>6.2f} "
+                f"{r['pallas'] / r['floor_us']:>7.2f} {r['xla']:>8.2f} "
+                f"{tbs(s.weight_bytes, r['xla']):>6.2f} {r['xla'] / r['pallas']:>6.2f}")
+        if args.spans:
+            line += "  " + " / ".join(f"{r.get(b + '_span_us', float('nan')):.2f}"
+                                      for b in ("pallas", "xla"))
+        print(line)
     for r in detail:
         print(f"  tp{r['tp']} B={r['batch']}: kernels {', '.join(r['pallas_kernels'])} | xla "
               f"{', '.join(r['xla_kernels'])} | {r['config']}")

@@ -45,17 +45,16 @@ kernels did not: the down started 1.2-2.5 us after the gate/up. Waiting first th
 B=1 and 94.1 against 96.8 at B=64, CUPTI's sums level. The weight prologue before the wait
 (``pdl``) gains nothing more, as our ring costs 0.6-2.1 us of kernel time against the package's
 pipeline; ``pdl+early`` is level with the package at B=64 and behind at B=1, and ``pdl both`` is
-slower. Spans at tp8 hold the host's launches (XLA's command buffers off) and say little.
+slower. Spans at tp8 hold the host's launches (XLA's command buffers off) and say little; at tp8
+B=1 XLA also ran two calls' gate/ups before their downs, which ``call_spans.chain_program`` now
+prevents, and ``call_spans.span`` reports (twenty-first session).
 """
 
 from __future__ import annotations
 
 import functools
-import glob
-import gzip
 import json
 import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +64,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import tma_probes
+from call_spans import CHAIN, chain_program, span
 from moe_front_jax import reference
 from moe_front_jax.pallas import shared_expert as se
 from moe_front_jax.pallas import shared_expert_tma as tma
@@ -72,9 +72,6 @@ from moe_front_jax.pallas.streaming import GemmConfig
 from shared_expert_timing import Shape, random_copies
 from shared_expert_timing import rows as rows_of
 from tma_probes import BETA, LINEAR_BETA, ROWS
-
-CHAIN = 8
-"""Calls per jitted program in the span measure."""
 
 
 def _ring(x_gmem, w_gmem, first_rows, *, block_k: int, depth: int, bp: int, wait: bool):
@@ -233,58 +230,6 @@ def variants(tp: int, cfg, args) -> dict:
     if not args.interpret:
         found["xla"] = lambda x, w: reference.shared_expert(x, *w, cfg, jnp.bfloat16)
     return found
-
-
-def chain_program(fn, xs, pairs):
-    """A jitted, warmed program of ``len(xs)`` calls back to back: call i on ``xs[i]`` and
-    ``pairs[i]`` (no operand shared, so XLA merges no dots across calls)."""
-    program = jax.jit(lambda xs, ws: [fn(x, w) for x, w in zip(xs, ws)])
-    jax.block_until_ready(program(xs, pairs))
-    return functools.partial(program, xs, pairs)
-
-
-def call_spans(timeline: list, kernels_per_call: int) -> list[float]:
-    """Each call's span in a program's ``timeline`` (``(name, start, duration)`` in time order):
-    from its first kernel's start to its last kernel's end, in microseconds."""
-    calls = [timeline[at:at + kernels_per_call] for at in range(0, len(timeline), kernels_per_call)]
-    return [max(start + duration for _, start, duration in call) - call[0][1] for call in calls]
-
-
-def span(row: dict, program, programs: int = 12) -> None:
-    """For ``program`` (``chain_program``'s; ``row["kernels"]`` the kernels of one call), from a
-    profiler trace of ``programs`` programs run one at a time: ``row["call_span_us"]``, the median
-    over the traced calls of a call's span (its first kernel's start to its last kernel's end: the
-    gap between its kernels counts, and so does the overlap PDL gives), and ``row["timeline"]``,
-    each traced program's kernels as ``(name, start, duration)`` in microseconds from its first
-    start. The gaps between calls are the host's launches (the trace's own cost included), not
-    the GPU's, so no span across calls is taken. The trace keeps the kernels of only some programs
-    (three of twelve in this probe's runs): ``row["programs_traced"]``. It holds CUPTI, as
-    ``run_variant``'s timing does, so it runs after all of those; a count of GPU events that is
-    not a whole number of programs is ``row["span_error"]``."""
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir):
-            for _ in range(programs):
-                jax.block_until_ready(program())
-        trace_file, = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz"))
-        with gzip.open(trace_file) as f:
-            events = json.load(f)["traceEvents"]
-    streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
-               and e.get("name") == "thread_name"
-               and e.get("args", {}).get("name", "").startswith("Stream")}
-    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                     if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
-    per_call = len(row["kernels"])
-    size = per_call * CHAIN
-    if not kernels or len(kernels) % size:
-        row["span_error"] = (f"{len(kernels)} events on the GPU's streams, not a whole number of "
-                             f"programs of {size} kernels")
-        return
-    row["programs_traced"] = len(kernels) // size
-    row["timeline"] = [[(name, round(start - group[0][0], 2), round(end - start, 2))
-                        for start, end, name in group]
-                       for group in (kernels[at:at + size] for at in range(0, len(kernels), size))]
-    row["call_span_us"] = float(np.median(
-        [s for timeline in row["timeline"] for s in call_spans(timeline, per_call)]))
 
 
 def _stages(text: str) -> tuple[int, int]:
