@@ -61,42 +61,43 @@ def call_spans(timeline: list, kernels_per_call: int) -> list[float]:
 
 def span(row: dict, program, programs: int = 12) -> None:
     """For ``program`` (``chain_program``'s; ``row["kernels"]`` the kernels of one call), from a
-    profiler trace of ``programs`` programs run one at a time: ``row["call_span_us"]``, the median
-    over the traced calls of a call's span (its first kernel's start to its last kernel's end: the
-    gap between its kernels counts, and so does the overlap PDL gives), and ``row["timeline"]``,
-    each traced program's kernels as ``(name, start, duration)`` in microseconds from its first
-    start. The gaps between calls may hold the host's launches (the trace's own cost included),
-    so no span across calls is taken. The trace keeps the kernels of only some programs (three of
-    twelve in ``pdl_probe``'s runs): ``row["programs_traced"]``. It holds CUPTI, as the CUPTI
-    timing does, so it runs after all of that. A count of GPU events that is not a whole number
-    of programs, or a call whose kernels are not one call's in order (``kernel_kind``), is
-    ``row["span_error"]``."""
+    profiler trace of ``programs`` programs run one at a time: ``spans_of``'s keys in ``row``. The
+    trace keeps the kernels of only some programs (three of twelve in ``pdl_probe``'s runs). It
+    holds CUPTI, as the CUPTI timing does, so it runs after all of that."""
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             for _ in range(programs):
                 jax.block_until_ready(program())
         trace_file, = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz"))
         with gzip.open(trace_file) as f:
-            events = json.load(f)["traceEvents"]
+            row.update(spans_of(json.load(f)["traceEvents"], row["kernels"]))
+
+
+def spans_of(events: list[dict], call_kernels: list[str]) -> dict:
+    """From a trace's ``events`` (Chrome trace format) of ``chain_program`` programs whose calls
+    each launch ``call_kernels``, in order: ``call_span_us``, the median over the traced calls of
+    a call's span (its first kernel's start to its last kernel's end: the gap between its kernels
+    counts, and so does the overlap PDL gives); ``timeline``, each traced program's kernels as
+    ``(name, start, duration)`` in microseconds from its first start; ``programs_traced``. The gaps
+    between calls may hold the host's launches (the trace's own cost included), so no span across
+    calls is taken. A count of kernels on the GPU's streams that is not a whole number of
+    programs, or a program whose kernels are not its calls' one after another (``kernel_kind``),
+    gives ``span_error`` alone."""
     streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
                and e.get("name") == "thread_name"
                and e.get("args", {}).get("name", "").startswith("Stream")}
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                      if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
-    per_call = len(row["kernels"])
+    per_call = len(call_kernels)
     size = per_call * CHAIN
     if not kernels or len(kernels) % size:
-        row["span_error"] = (f"{len(kernels)} events on the GPU's streams, not a whole number of "
-                             f"programs of {size} kernels")
-        return
-    expected = [kernel_kind(name) for name in row["kernels"]] * CHAIN
-    if any([kernel_kind(name) for _, _, name in kernels[at:at + size]] != expected
-           for at in range(0, len(kernels), size)):
-        row["span_error"] = "a traced program's kernels are not its calls' one after another"
-        return
-    row["programs_traced"] = len(kernels) // size
-    row["timeline"] = [[(name, round(start - group[0][0], 2), round(end - start, 2))
-                        for start, end, name in group]
-                       for group in (kernels[at:at + size] for at in range(0, len(kernels), size))]
-    row["call_span_us"] = float(np.median(
-        [s for timeline in row["timeline"] for s in call_spans(timeline, per_call)]))
+        return dict(span_error=f"{len(kernels)} events on the GPU's streams, not a whole number "
+                               f"of programs of {size} kernels")
+    programs = [kernels[at:at + size] for at in range(0, len(kernels), size)]
+    expected = [kernel_kind(name) for name in call_kernels] * CHAIN
+    if any([kernel_kind(name) for _, _, name in program] != expected for program in programs):
+        return dict(span_error="a traced program's kernels are not its calls' one after another")
+    timeline = [[(name, round(start - program[0][0], 2), round(end - start, 2))
+                 for start, end, name in program] for program in programs]
+    return dict(programs_traced=len(programs), timeline=timeline, call_span_us=float(np.median(
+        [s for one in timeline for s in call_spans(one, per_call)])))
