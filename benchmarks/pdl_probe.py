@@ -32,7 +32,9 @@ Each is checked bit for bit against ``ring``, then timed two ways over weight co
 the L2: CUPTI's summed kernel time per call (``run_variant``; a kernel launched early counts its
 wait, so PDL can only look slower there), and a call's span, its first kernel's start to its last
 kernel's end, from the profiler's trace of ``CHAIN`` calls in one jitted program (distinct rows
-and weights per call): what a decode step waits, the gap between the kernels included. XLA's
+and weights per call; since the twenty-first session each call after the one before, as
+``call_spans.chain_program`` orders them): what a decode step waits, the gap between the kernels
+included. XLA's
 reference stage is timed both ways beside them. The recorded runs turned XLA's command buffers
 off (``XLA_FLAGS=--xla_gpu_enable_command_buffer=``), so that every kernel is a stream launch; one
 run with them on gave the same spans (whether its traced programs ran as CUDA graphs, the trace
