@@ -6,7 +6,8 @@
 With ``batch_m`` (``GemmConfig``) a gate/up CTA multiplies the step's ``[64, block_k]`` stage of
 ``x`` (wgmma's A) by its gate rows and by its up rows in two wgmmas, each reading ``x`` from shared
 memory: per step of 128 columns and 48 rows, 56 KiB read by the wgmmas beside the 40 KiB the TMA
-copies write. ``batch_cost_probe.py`` (H100) put 2.3 us of the tp1 B=64 gate/up on its wgmmas.
+copies write. ``batch_cost_probe.py`` (H100) put 1.7-2.5 us of the tp1 B=64 gate/up on its
+wgmmas.
 If the weight is stored so that each CTA's gate rows and up rows are neighbours (``interleave``:
 ``[gate_0; up_0; gate_1; up_1; ...]`` in tiles of ``rows``), one TMA box copies both and one wgmma
 of N = 2 ``rows`` reads ``x`` once: 40 KiB read a step instead of 56.
@@ -37,7 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import tma_probes
 from moe_front_jax import reference
 from moe_front_jax.pallas import shared_expert_tma as tma
-from moe_front_jax.pallas.streaming import TMA_MAX_BATCH, GemmConfig
+from moe_front_jax.pallas.streaming import TMA_MAX_BATCH
 from tma_probes import BETA, LINEAR_BETA
 
 BLOCK_K = 128
@@ -88,11 +89,6 @@ def merged_gate_up(x, gate_up_tiles, *, rows, depth, interpret=False):
     return out[:batch]
 
 
-def package_batch_m(x, gate_up, *, rows, depth, interpret=False):
-    config = GemmConfig(rows, BLOCK_K, 1, 4, depth, tma=True, batch_m=True)
-    return tma.gate_up_situ(x, gate_up, BETA, LINEAR_BETA, config=config, interpret=interpret)
-
-
 def main() -> None:
     args, device = tma_probes.start(__doc__, "32,64")
     s_r, hidden, copies = tma_probes.weights(args.interpret)
@@ -105,7 +101,8 @@ def main() -> None:
         for rows in table_rows:
             tiled = [jax.jit(interleave, static_argnums=1)(w, rows) for w in plain]
             cases = [(f"package batch_m r{rows} st{depth}",
-                      functools.partial(package_batch_m, rows=rows, depth=depth), plain)]
+                      functools.partial(tma_probes.package_gate_up, block_k=BLOCK_K, rows=rows,
+                                        depth=depth, batch_m=True), plain)]
             cases += [(f"merged r{rows} st{d}", functools.partial(merged_gate_up, rows=rows,
                                                                    depth=d), tiled)
                       for d in (depth, depth + 1)]

@@ -37,15 +37,17 @@ def start(doc: str, batches: str, extra=None) -> tuple[argparse.Namespace, jax.D
     return args, device
 
 
-def package_gate_up(x, gate_up, *, block_k, depth, interpret=False):
-    """The package's TMA gate/up with situ, 64-row CTAs, no split of K."""
-    config = GemmConfig(ROWS, block_k, 1, 4, depth, tma=True)
+def package_gate_up(x, gate_up, *, block_k, depth, rows=ROWS, batch_m=False, interpret=False):
+    """The package's TMA gate/up with situ, CTAs of ``rows`` rows (``batch_m``: the batch as
+    wgmma's M), no split of K."""
+    config = GemmConfig(rows, block_k, 1, 4, depth, tma=True, batch_m=batch_m)
     return tma.gate_up_situ(x, gate_up, BETA, LINEAR_BETA, config=config, interpret=interpret)
 
 
-def package_down(hidden, down, *, block_k, depth, interpret=False):
-    """The package's TMA down, 64-row CTAs, no split of K."""
-    config = GemmConfig(ROWS, block_k, 1, 4, depth, tma=True)
+def package_down(hidden, down, *, block_k, depth, rows=ROWS, batch_m=False, interpret=False):
+    """The package's TMA down, CTAs of ``rows`` rows (``batch_m``: the batch as wgmma's M), no
+    split of K."""
+    config = GemmConfig(rows, block_k, 1, 4, depth, tma=True, batch_m=batch_m)
     return tma.down_proj(hidden, down, config=config, interpret=interpret)
 
 

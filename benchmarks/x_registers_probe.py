@@ -5,9 +5,9 @@ CPU.)
   python benchmarks/x_registers_probe.py --out $OUT [--batches 64] [--interpret]
 
 ``batch_cost_probe.py`` (H100, twenty-first session) split the B=64 loss of the package's tp1
-gate/up: copying ``x``'s 64 rows a stage instead of 8 cost 2.0 us, the wgmmas over 64 rows instead
-of 8 another 1.7. With ``batch_m`` (``GemmConfig``) ``x`` is wgmma's A operand, which may sit in
-registers: each thread loads its fragment of the step's ``[64, block_k]`` from global memory (L2:
+gate/up: copying ``x``'s 64 rows a stage instead of 8 cost 0.9-2.0 us, the wgmmas over 64 rows
+instead of 8 another 1.7-2.5. With ``batch_m`` (``GemmConfig``) ``x`` is wgmma's A operand, which
+may sit in registers: each thread loads its fragment of the step's ``[64, block_k]`` from global memory (L2:
 ``x`` is 0.9 MB that every CTA reads), ``prefetch`` steps ahead through ``emit_pipeline``'s carry,
 and only the weight goes through the TMA ring and shared memory.
 
@@ -42,7 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import tma_probes
 from moe_front_jax import reference
 from moe_front_jax.pallas import shared_expert_tma as tma
-from moe_front_jax.pallas.streaming import TMA_MAX_BATCH, GemmConfig
+from moe_front_jax.pallas.streaming import TMA_MAX_BATCH
 from tma_probes import BETA, LINEAR_BETA
 
 BLOCK_K = 128
@@ -99,26 +99,21 @@ def registers_kernel(x, w, *, parts, rows, depth, prefetch, interpret=False):
     )(x, w)
 
 
-def package_batch_m(x, w, *, parts, rows, depth, interpret=False):
-    """The package's ``batch_m`` TMA kernel (``x`` copied into the ring) at ``rows`` rows."""
-    config = GemmConfig(rows, BLOCK_K, 1, 4, depth, tma=True, batch_m=True)
-    if parts == 2:
-        return tma.gate_up_situ(x, w, BETA, LINEAR_BETA, config=config, interpret=interpret)
-    return tma.down_proj(x, w, config=config, interpret=interpret)
-
-
 def variants(kernel: str, interpret: bool, small: bool):
     """(label, function, the ``rows`` whose package output its bits must equal)."""
     parts, depth = (2, 4) if kernel == "gate_up" else (1, 6)
+    package = tma_probes.package_gate_up if kernel == "gate_up" else tma_probes.package_down
     table_rows = 48 if kernel == "gate_up" else 56
     for rows in (table_rows, 64):
         if small and rows != 64:
             continue
-        common = dict(parts=parts, rows=rows, depth=3 if interpret else depth, interpret=interpret)
-        yield f"package batch_m r{rows}", functools.partial(package_batch_m, **common), None
+        common = dict(rows=rows, depth=3 if interpret else depth, interpret=interpret)
+        yield (f"package batch_m r{rows}",
+               functools.partial(package, block_k=BLOCK_K, batch_m=True, **common), None)
         for prefetch in (1, 2, 3):
             yield (f"registers r{rows} ahead {prefetch}",
-                   functools.partial(registers_kernel, prefetch=prefetch, **common), rows)
+                   functools.partial(registers_kernel, parts=parts, prefetch=prefetch, **common),
+                   rows)
     yield "xla row sum", tma_probes.xla_row_sum, None
 
 
