@@ -7,9 +7,9 @@ CPU.)
 ``batch_cost_probe.py`` (H100, twenty-first session) split the B=64 loss of the package's tp1
 gate/up: copying ``x``'s 64 rows a stage instead of 8 cost 0.9-2.0 us, the wgmmas over 64 rows
 instead of 8 another 1.7-2.5. With ``batch_m`` (``GemmConfig``) ``x`` is wgmma's A operand, which
-may sit in registers: each thread loads its fragment of the step's ``[64, block_k]`` from global memory (L2:
-``x`` is 0.9 MB that every CTA reads), ``prefetch`` steps ahead through ``emit_pipeline``'s carry,
-and only the weight goes through the TMA ring and shared memory.
+may sit in registers: each thread loads its fragment of the step's ``[64, block_k]`` from global
+memory (L2: ``x`` is 0.9 MB that every CTA reads), ``prefetch`` steps ahead through
+``emit_pipeline``'s carry, and only the weight goes through the TMA ring and shared memory.
 
 Variants per kernel (tp1, B=64, the weight's CTAs of ``rows`` rows as wgmma's N): the package's
 ``batch_m`` kernel (``x`` in the ring) at the H100 table's tp1 B=64 schedule (gate/up 48 rows
