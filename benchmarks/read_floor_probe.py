@@ -117,6 +117,7 @@ def sweep(interpret: bool):
 
 
 def drop_x(fn):
+    """``fn(w)`` as the probes call a variant: ``(x, w)``, ``x`` unused."""
     return lambda x, w: fn(w)
 
 
@@ -162,15 +163,10 @@ def main() -> None:
                 timed = sorted((r for r in size_rows if r["family"] == family and "us" in r),
                                key=lambda r: r["us"])
                 picked += [(family, r["variant"], fns[r["variant"]]) for r in timed[:3]]
-    with open(f"{args.out}/read_floor_probe.json", "w") as f:
-        json.dump(dict(device=device.device_kind, rows=rows), f, indent=1)
-    print(f"\nplain reads of the shared expert's weights ({device.device_kind}): us per call, TB/s")
-    for r in rows:
-        result = (f"{r['us']:7.2f} us {r['tbs']:.2f} TB/s" if "us" in r else
-                  r.get("error", "")[:70] or "(not timed)")
-        print(f"{r['size']:>8} {r['mb']:6.1f} MB {r['family']:>6} {r['variant']:>16}: {result}"
-              f"  sum ok: {r.get('sum_ok', '-')}")
-
+    tma_probes.report(rows, args.out, "read_floor_probe", device.device_kind, "sum ok",
+                      title="plain reads of the shared expert's weights", check="sum_ok",
+                      label=lambda r: (f"{r['size']:>8} {r['mb']:6.1f} MB {r['family']:>6} "
+                                       f"{r['variant']:>16}"))
 
 if __name__ == "__main__":
     main()

@@ -96,15 +96,17 @@ def run_variant(fn, operand, copies, row: dict, interpret: bool) -> np.ndarray |
         return None
 
 
-def report(rows: list[dict], out_dir: str, name: str, device_kind: str, same_bits: str) -> None:
-    """Write ``rows`` to ``out_dir/name.json`` and print the table: us per kernel and TB/s of
-    weight read, and each row's ``same_bits`` (described by ``same_bits``)."""
+def report(rows: list[dict], out_dir: str, name: str, device_kind: str, same_bits: str,
+           title: str = "shared expert at tp1", label=None, check: str = "same_bits") -> None:
+    """Write ``rows`` to ``out_dir/name.json`` and print the table under ``title``: each row's
+    ``label(row)`` (default: its batch, kernel and variant), us per kernel and TB/s of weight
+    read, and its ``check`` entry (described by ``same_bits``)."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(dict(device=device_kind, rows=rows), f, indent=1)
-    print(f"\nshared expert at tp1 ({device_kind}): us per kernel, TB/s of weight read")
+    label = label or (lambda r: f"B={r['batch']:>2} {r['kernel']:>7} {r['variant']:>18}")
+    print(f"\n{title} ({device_kind}): us per kernel, TB/s of weight read")
     for r in rows:
-        result = (f"{r['us']:6.2f} us {r['tbs']:.2f} TB/s" if "us" in r else
-                  r.get("error", "")[:60] or "(not timed)")
-        print(f"B={r['batch']:>2} {r['kernel']:>7} {r['variant']:>18}: {result}  "
-              f"{same_bits}: {r.get('same_bits', '-')}")
+        result = (f"{r['us']:7.2f} us {r['tbs']:.2f} TB/s" if "us" in r else
+                  r.get("error", "")[:70] or "(not timed)")
+        print(f"{label(r)}: {result}  {same_bits}: {r.get(check, '-')}")
