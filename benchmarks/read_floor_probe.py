@@ -25,9 +25,9 @@ fastest variants of each family there (default ``--sizes both8,gate_up8,down8,bo
 prints last; rows go to $OUT/read_floor_probe.json.
 
 Found on an H100 (benchmarks/RESULTS.md, twenty-third session, one run): the TMA ring reads the
-33 MB in 11.58 us against XLA's row sum's 12.96 (every TMA variant under 12.0), the Triton reads
-no faster than XLA's; the two tp8 weights read apart take 8.22 + 4.90 us; at tp1's 264 MB the
-three lie within 1.1%. Not yet run on an H200.
+33 MB in 11.58 us against XLA's row sum's 12.96 (every TMA variant under 12.0), the fastest
+Triton read in 12.42 (slower than XLA's at the other sizes); the two tp8 weights read apart take
+8.22 + 4.90 us; at tp1's 264 MB XLA's and the TMA ring lie within 1.1%. Not yet run on an H200.
 """
 
 from __future__ import annotations
