@@ -106,7 +106,7 @@ def tma_read(w, *, rows, ctas, depth, interpret=False):
 
 
 def sweep(interpret: bool):
-    """(family, label, function of (x, w)) for the whole sweep at ``both8``."""
+    """(family, label, function of ``w``) for the whole sweep at ``both8``."""
     programs = (132, 264, 528) if not interpret else (3,)
     for rows in (8, 16, 32):
         for g in programs:
