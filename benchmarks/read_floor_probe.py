@@ -47,8 +47,15 @@ import tma_probes
 
 WIDTH = 1024  # elements of one row of the triton family's flat view (2 KiB)
 BOX = 256  # elements of one row of the tma family's flat view: one TMA box row (512 bytes)
-SHAPES = dict(both8=(2304, 7168), gate_up8=(1536, 7168), down8=(7168, 768),
-              both1=(18432, 7168))
+
+
+def weight_shape(size: str) -> tuple[int, int]:
+    """The array ``size`` names, ``<gate_up|down|both><tp>``: one rank's shared-expert gate/up,
+    down, or both as one ``[3 S_r, H]`` array, at Kimi-K3's sizes."""
+    from shared_expert_timing import Shape
+    s = Shape.k3(int(size[-1]))
+    return dict(gate_up=(2 * s.shared, s.hidden), down=(s.hidden, s.shared),
+                both=(3 * s.shared, s.hidden))[size[:-1]]
 
 
 def triton_read(w, *, rows, programs, num_warps, num_stages, interpret=False):
@@ -137,7 +144,7 @@ def main() -> None:
     x = jnp.zeros((8, 128), jnp.bfloat16)
     rows, picked = [], None
     for size in sizes:
-        shape = SHAPES[size] if not args.interpret else (64, 4096)
+        shape = weight_shape(size) if not args.interpret else (64, 4096)
         if args.interpret:
             copies = [jax.random.normal(jax.random.key(0), shape).astype(jnp.bfloat16)]
         else:
