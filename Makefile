@@ -16,7 +16,7 @@ test: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[test]' pytest-xdist
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
 clean:

@@ -99,7 +99,8 @@ def moe_front(
     """The MoE front of one decode step: front GEMM, exact top-k routing, latent, shared expert.
 
     ``plan``, ``backend``, ``axis_name`` and ``shared_reduce`` choose what is traced: under
-    ``jax.jit`` they are static (``jax.jit(moe_front, static_argnames=("plan", "backend"))``).
+    ``jax.jit`` they are static (``jax.jit(moe_front, static_argnames=("plan", "backend",
+    "axis_name", "shared_reduce"))``, or ``functools.partial`` them in).
 
     Args:
       x: ``[B, H]`` bfloat16 decode rows, ``B >= 1``.
@@ -224,6 +225,10 @@ def route(
     Returns:
       ``ids`` ``[B, K]`` int32 (``cfg.top_k`` distinct experts in ``[0, E)`` for any input, ties
       to the lower id, NaN lowest) and ``weights`` ``[B, K]`` bfloat16.
+
+    Raises:
+      ValueError: an unknown ``backend``; ``cfg`` not a ``FrontConfig``; ``logits`` not a
+        ``[B, E]`` float32 array or an empty batch; ``bias`` not ``[E]`` float32.
     """
     backends.check_backend(backend)
     if not isinstance(cfg, FrontConfig):

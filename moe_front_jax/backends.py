@@ -49,9 +49,9 @@ PENDING: dict[str, str] = {}
 
 # Stages whose kernel "auto" runs only at the shapes where the device's auto table measured it faster
 # than the reference: stage -> "module:function" of a predicate over the stage's arguments. On the
-# H200 (benchmarks/RESULTS.md, 2026-12-03, sixth and seventh sessions) the front GEMM beat XLA's
-# reference stage by 5% or more in every run at B=1 at every tp, B=2 at tp 2, 4 and 8, tp2 B=32 and
-# tp8 B=16; the shared expert at tp8 B <= 2.
+# H200 (pallas/tuning/h200_auto.json; benchmarks/RESULTS.md, sixth, seventh and thirteenth
+# sessions) the front GEMM beat XLA's reference stage by 5% or more in every run at B=1 at every tp,
+# B=2 at tp 2, 4 and 8, tp2 B=32 and tp8 B=16; the shared expert at tp1 and tp8 at every B <= 64.
 AUTO_BY_SHAPE: dict[str, str] = {
     "front_gemm": "moe_front_jax.pallas.front_gemm:auto_prefers_kernel",
     "shared_expert": "moe_front_jax.pallas.shared_expert:auto_prefers_kernel",

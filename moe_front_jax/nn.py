@@ -79,8 +79,8 @@ class MoEFront(nnx.Module):
         ``mf.load_weights``' output), validated against ``cfg``, packed once here.
         ``MoEFront.from_checkpoint`` reads a checkpoint straight into the module (and into the shards).
       shared: with ``rngs``, also draw the shared expert's weights (needs ``cfg.shared > 0``); the
-        default, None, draws them exactly when ``cfg.shared > 0``. With ``weights`` the shared
-        expert is there exactly when its keys are.
+        default, None, draws them exactly when ``cfg.shared > 0``. With ``weights`` leave it None:
+        the shared expert is there exactly when its keys are.
       backend: the backend ``moe_front`` runs (``"auto"``, ``"xla"``, ``"pallas"``, ``"interpret"``).
       mesh: a ``jax.sharding.Mesh`` with ``axis`` to shard the weights over, or None for one device.
       axis: the tensor-parallel mesh axis (the name in the Params' annotations).
@@ -94,8 +94,8 @@ class MoEFront(nnx.Module):
       cfg: ``cfg`` with ``tp`` the number of ranks; split: the first latent row of a rank's block.
 
     Raises:
-      ValueError: a bad config, backend, mesh, axis or shared_reduce, a bad weight (naming the key), or
-        not exactly one of ``rngs`` and ``weights``.
+      ValueError: a bad config, backend, mesh, axis or shared_reduce, a bad weight (naming the key),
+        not exactly one of ``rngs`` and ``weights``, or ``shared`` given with ``weights``.
     """
 
     def __init__(
@@ -126,8 +126,11 @@ class MoEFront(nnx.Module):
             raise ValueError("give exactly one of rngs= (fresh weights) and weights= (given weights)")
         if weights is None:
             weights = P.init_weights(rngs.params(), cfg, shared=shared)
-        elif shared is False:
-            raise ValueError("shared=False applies to rngs=; with weights=, leave the shared keys out")
+        elif shared is not None:
+            raise ValueError(
+                f"shared={shared} applies to rngs=; with weights=, the shared expert is there "
+                "exactly when its keys are"
+            )
         if mesh is None:
             params = P.pack_params(weights, cfg)
         else:

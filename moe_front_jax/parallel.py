@@ -38,6 +38,7 @@ from moe_front_jax.params import (
     GATE_UP,
     ROUTED_DOWN,
     FrontParams,
+    check_split_align,
     check_weights,
     padded_split,
 )
@@ -127,8 +128,10 @@ def shard_params(
       ``FrontParams`` with ``cfg.tp == tp``, ``mesh`` and ``axis`` set.
 
     Raises:
-      ValueError: ``axis`` missing from ``mesh``, ``tp`` not dividing ``E``, ``L`` or ``S``, a
-        ``cfg.tp`` that disagrees with the mesh, or weights of the wrong keys, shapes or dtypes.
+      ValueError: ``axis`` missing from ``mesh``, a mesh that is not a concrete ``Mesh`` (an
+        ``AbstractMesh`` places nothing), ``tp`` not dividing ``E``, ``L`` or ``S``, a ``cfg.tp``
+        that disagrees with the mesh, weights of the wrong keys, shapes or dtypes, or
+        ``split_align`` not a positive int.
     """
     tp = mesh_tp(cfg, mesh, axis)
     if not isinstance(mesh, Mesh):
@@ -137,8 +140,7 @@ def shard_params(
         )
     cfg = cfg.with_tp(tp)
     check_weights(weights, cfg)
-    if not isinstance(split_align, int) or split_align <= 0:
-        raise ValueError(f"split_align must be a positive int, got {split_align!r}")
+    split_align = check_split_align(split_align)
     valid, shard, h = cfg.experts_per_rank, cfg.latent_per_rank, cfg.hidden
     split = padded_split(valid, split_align)
     router = jnp.asarray(weights[GATE]).reshape(tp, valid, h)

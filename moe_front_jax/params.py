@@ -116,6 +116,15 @@ def check_weights(weights: Mapping[str, jax.Array], cfg: FrontConfig) -> bool:
     return bool(present)
 
 
+def check_split_align(split_align) -> int:
+    """``split_align`` as an ``int`` (a NumPy integer is taken as its int); raises ``ValueError``
+    unless it is a positive integer."""
+    if (not isinstance(split_align, numbers.Integral) or isinstance(split_align, bool)
+            or split_align <= 0):
+        raise ValueError(f"split_align must be a positive int, got {split_align!r}")
+    return int(split_align)
+
+
 def padded_split(valid: int, align: int = DEFAULT_SPLIT_ALIGN) -> int:
     """First latent row of the packed weight: ``valid`` router rows rounded up to ``align``."""
     return -(-valid // align) * align
@@ -193,17 +202,16 @@ def pack_params(
       ``split_align``.
 
     Raises:
-      ValueError: a missing key, a wrong shape or dtype (naming the key), or ``rank`` out of range.
+      ValueError: ``cfg`` not a ``FrontConfig``, a missing key, a wrong shape or dtype (naming the
+        key), ``rank`` out of range, or ``split_align`` not a positive int.
     """
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
     check_weights(weights, cfg)
     if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or not 0 <= rank < cfg.tp:
         raise ValueError(f"rank must be an int in [0, tp={cfg.tp}), got {rank!r}")
-    if (not isinstance(split_align, numbers.Integral) or isinstance(split_align, bool)
-            or split_align <= 0):
-        raise ValueError(f"split_align must be a positive int, got {split_align!r}")
-    rank, split_align = int(rank), int(split_align)  # a NumPy integer is taken as its int
+    split_align = check_split_align(split_align)
+    rank = int(rank)  # a NumPy integer is taken as its int
     split = padded_split(cfg.experts_per_rank, split_align)
     packed, gate_up, down = rank_slices(weights, cfg, rank, split)
     return FrontParams(packed, jnp.asarray(weights[BIAS]), gate_up, down, cfg, split)

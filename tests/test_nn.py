@@ -180,6 +180,9 @@ def test_bad_arguments_raise_value_error():
     no_shared = dataclasses.replace(CFG, shared=0)
     with pytest.raises(ValueError, match="shared=True needs"):
         mf.nn.MoEFront(no_shared, rngs=nnx.Rngs(0), shared=True)
+    for shared in (True, False):
+        with pytest.raises(ValueError, match=f"shared={shared} applies to rngs="):
+            mf.nn.MoEFront(CFG, weights=weights, shared=shared)
     # By default the module draws a shared expert exactly when the config has one.
     assert mf.nn.MoEFront(no_shared, rngs=nnx.Rngs(0))(rows(2)).shared is None
     assert mf.nn.MoEFront(CFG, rngs=nnx.Rngs(0))(rows(2)).shared.shape == (2, CFG.hidden)

@@ -292,6 +292,12 @@ def test_bad_meshes_and_axes_are_refused():
         mf.shard_params(w, CFG, "tp")
     with pytest.raises(ValueError, match="concrete jax.sharding.Mesh to place the weights on"):
         mf.shard_params(w, CFG, tp_mesh(8).abstract_mesh)
+    for align in (2.5, True, 0):
+        with pytest.raises(ValueError, match=f"split_align must be a positive int, got {align!r}"):
+            mf.shard_params(w, CFG, tp_mesh(8), split_align=align)
+    # A NumPy integer is taken as its int, as pack_params takes it.
+    numpy_align = mf.shard_params(w, CFG, tp_mesh(8), split_align=np.int64(16))
+    assert numpy_align.split == mf.shard_params(w, CFG, tp_mesh(8), split_align=16).split
     params = mf.shard_params(w, CFG.with_tp(8), tp_mesh(8))
     with pytest.raises(ValueError, match="shared_reduce must be one of"):
         mf.moe_front(rows(CFG), params, shared_reduce="sum")
