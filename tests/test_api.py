@@ -87,6 +87,19 @@ def test_non_finite_rows_and_weights_give_distinct_ids(backend):
     # The finite row is routed as ever; the all-NaN row takes the lowest ids (NaN keys, ties low).
     np.testing.assert_array_equal(out.ids[3], front(x[3:], params, backend=backend).ids[0])
     np.testing.assert_array_equal(out.ids[0], np.arange(SMALL.top_k))
+    # Expert 5's router row is NaN, so its logit is NaN in every row and it ranks below the rest.
+    assert np.isnan(np.asarray(out.logits)[:, 5]).all()
+    assert 5 not in np.asarray(out.ids[3])
+    # Routing and plan are exact functions of the non-finite logits and latent the call returned
+    # (SPEC sections 4 and 5): NaN experts weigh 0, so no weight is NaN.
+    ids, weights = oracle.route(np.asarray(out.logits), np.asarray(params.bias), SMALL.top_k)
+    np.testing.assert_array_equal(np.asarray(out.ids), ids)
+    assert not np.isnan(np.asarray(out.weights, np.float32)).any()
+    assert oracle.bf16_ulp_distance(out.weights, weights).max() <= 1
+    values, scales = oracle.mxfp8_plan(np.asarray(out.latent))
+    np.testing.assert_array_equal(np.asarray(out.plan[1]).view(np.uint8), scales)
+    got = np.asarray(out.plan[0]).astype(np.float32)
+    np.testing.assert_array_equal(got, values.astype(np.float32))  # NaN where NaN, of either sign
 
 
 def test_optional_outputs_are_none():
@@ -188,12 +201,14 @@ def test_a_traced_plan_says_to_make_it_static():
 
 def test_bad_params():
     params = small_params()
-    with pytest.raises(ValueError, match="params must be FrontParams"):
+    with pytest.raises(ValueError, match=r"params must be FrontParams \(from pack_params or "
+                       r"shard_params\), got dict"):
         mf.moe_front(rows(1), {"packed": params.packed})
     wrong = dataclasses.replace(params, bias=params.bias.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match=r"params.bias is \(128,\) bfloat16, expected \(128,\) float32"):
         mf.moe_front(rows(1), wrong)
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'xla', 'pallas', "
+                       r"'interpret'\), got 'cuda'"):
         mf.moe_front(rows(1), params, backend="cuda")
     for given, missing in (("gate_up", "down"), ("down", "gate_up")):
         half = dataclasses.replace(params, **{missing: None})
@@ -213,6 +228,11 @@ def test_bad_weights():
             mf.pack_params(w, SMALL, split_align=align)
     w[mf.params.GATE] = w[mf.params.GATE][:-1]
     with pytest.raises(ValueError, match=r"weights\['gate.weight'\] is \(127, 256\) bfloat16, expected \(128, 256\)"):
+        mf.pack_params(w, SMALL)
+    w = dict(mf.init_weights(jax.random.key(0), SMALL))
+    w[mf.params.GATE] = w[mf.params.GATE].astype(jnp.float32)
+    with pytest.raises(ValueError, match=r"weights\['gate.weight'\] is \(128, 256\) float32, "
+                       r"expected \(128, 256\) bfloat16"):
         mf.pack_params(w, SMALL)
     w = dict(mf.init_weights(jax.random.key(0), SMALL))
     del w[mf.params.ROUTED_DOWN]

@@ -126,9 +126,9 @@ def test_create_is_armed():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(capacity=0), "capacity"),
-        (dict(generations=0), "generations"),
-        (dict(capacity=2.0), "capacity"),
+        (dict(capacity=0), "capacity must be a positive int, got 0"),
+        (dict(generations=0), "generations must be a positive int, got 0"),
+        (dict(capacity=2.0), "capacity must be a positive int, got 2.0"),
     ],
 )
 def test_create_rejects_bad_arguments(kwargs, message):
@@ -140,7 +140,7 @@ def test_create_rejects_odd_latent_shard():
     odd = mf.FrontConfig(hidden=64, experts=26, top_k=4, latent=34, shared=0, tp=2, plan_block=1)
     with pytest.raises(ValueError, match="latent / cfg.tp = 17 must be even"):
         mf.Mailbox.create(odd)
-    with pytest.raises(ValueError, match="FrontConfig"):
+    with pytest.raises(ValueError, match="cfg must be a FrontConfig, got str"):
         mf.Mailbox.create("K3")
 
 

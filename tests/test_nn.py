@@ -195,7 +195,7 @@ def test_bad_arguments_raise_value_error():
 
 
 def tp_mesh(tp, names=("tp",), shape=None):
-    devices = np.array(jax.devices()[: math.prod(shape or (tp,))]).reshape(shape or (tp,))
+    devices = np.array(jax.devices("cpu")[: math.prod(shape or (tp,))]).reshape(shape or (tp,))
     return jax.sharding.Mesh(devices, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(names))
 
 

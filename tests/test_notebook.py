@@ -43,7 +43,10 @@ def test_notebook_runs(tmp_path):
     text = "".join(
         output.get("text", "") for cell in nb.cells if cell.cell_type == "code" for output in cell.outputs
     )
-    assert "backends that ran:" in text and "xla" in text.split("backends that ran:")[1]
+    ran = {name.strip() for name in text.split("backends that ran:")[1].splitlines()[0].split(",")}
+    assert {"interpret", "xla"} <= ran, ran
+    # Every stage has a kernel (backends.PENDING is empty), so the notebook must have run them all.
+    assert "not run (no kernel yet): none" in text
     tables = [
         output["data"]["text/markdown"] for cell in nb.cells if cell.cell_type == "code"
         for output in cell.outputs if "text/markdown" in output.get("data", {})
@@ -51,4 +54,8 @@ def test_notebook_runs(tmp_path):
     assert tables
     for row in ("| xla | 1 | 37 | moe_front | ok | exact |", "| xla | 1 | 37 | nn.MoEFront | ok | exact |",
                 "| xla | 8 | 37 | moe_front | ok | exact |", "| xla | 8 | 37 | nn.MoEFront | ok | exact |"):
+        assert row in tables[0], row
+    interpret_rows = [f"| interpret | 1 | 37 | {stage} | ok |" for stage in
+                      ("front_gemm", "route", "shared_expert", "plan", "moe_front")]
+    for row in interpret_rows + ["| interpret | 8 | 37 | moe_front | ok |"]:
         assert row in tables[0], row

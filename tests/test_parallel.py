@@ -31,9 +31,10 @@ ROWS = 6
 
 
 def devices(n):
-    if jax.device_count() < n:
+    """The first ``n`` CPU devices (on a GPU host too: these are the virtual devices of conftest)."""
+    if len(jax.devices("cpu")) < n:
         pytest.fail(f"the sharded tests need {n} devices; conftest sets 8 virtual CPU devices")
-    return jax.devices()[:n]
+    return jax.devices("cpu")[:n]
 
 
 def tp_mesh(tp, names=("tp",), shape=None):

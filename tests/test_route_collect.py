@@ -182,7 +182,7 @@ def test_argument_errors():
     zero = jnp.zeros((), jnp.int32)
     with pytest.raises(ValueError, match="over the mailbox capacity 4"):
         rc.route_collect(box, zero, bias, 5)
-    with pytest.raises(ValueError, match="batch must be a positive int"):
+    with pytest.raises(ValueError, match="batch must be a positive int, got 0"):
         rc.route_collect(box, zero, bias, 0)
     with pytest.raises(ValueError, match=r"bias must be \(26,\) float32"):
         rc.route_collect(box, zero, bias[:3], 2)

@@ -170,6 +170,18 @@ def test_all_nan_rows(select):
     np.testing.assert_array_equal(weights.astype(np.float32), np.zeros((3, 16), np.float32))
 
 
+def test_nan_logits_weigh_zero_without_renormalize(select):
+    cfg = CONFIGS["e100_top6_plain"]  # weights = bf16(s * 2.5), no division
+    logits = np.full((2, cfg.experts), np.nan, np.float32)
+    logits[1, [70, 20, 90]] = [2.0, 0.0, -3.0]
+    ids, weights = check(logits, np.zeros(cfg.experts, np.float32), cfg, select=select)
+    np.testing.assert_array_equal(ids, [[0, 1, 2, 3, 4, 5], [70, 20, 90, 0, 1, 2]])
+    want = (oracle.sigmoid32(np.float32([2.0, 0.0, -3.0])) * np.float32(2.5)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(weights[1, :3].view(np.uint16), want.view(np.uint16))
+    np.testing.assert_array_equal(weights[0].astype(np.float32), np.zeros(6, np.float32))
+    np.testing.assert_array_equal(weights[1, 3:].astype(np.float32), np.zeros(3, np.float32))
+
+
 def test_nan_bias_ranks_lowest_but_weighs_its_sigmoid(select):
     logits = np.zeros((1, K3.experts), np.float32)
     logits[0, 3] = 10.0
@@ -248,7 +260,7 @@ def adversarial_rows(rng, rows, experts):
     return logits, bias
 
 
-@pytest.mark.parametrize("name", ["k3", "e1024_top32"])
+@pytest.mark.parametrize("name", ["k3", "e1024_top32", "e100_top6_plain"])
 def test_property_thousands_of_adversarial_rows(name, select):
     """A seeded loop: 2048 rows per config in blocks of 256, each block with its own bias."""
     cfg = CONFIGS[name]
