@@ -184,5 +184,6 @@ def main() -> None:
                       label=lambda r: (f"{r['size']:>8} {r['mb']:6.1f} MB {r['family']:>6} "
                                        f"{r['variant']:>16}"))
 
+
 if __name__ == "__main__":
     main()
