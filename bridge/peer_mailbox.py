@@ -58,7 +58,6 @@ carrying an all-gather; ``mailbox.publish`` is the plain-JAX statement of the sa
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -70,7 +69,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, memref, scf
 
-from moe_front_jax.bridge import mailbox as mb
+from moe_front_jax.reference import mailbox as mb
 
 THREADS = 128
 """Threads per block: one warpgroup, one word each."""
@@ -178,22 +177,21 @@ def publish_kernel(cfg, batch: int, generations: int, axis_name: str | None):
     )
 
 
-def publish(mailbox: mb.Mailbox, logits: jax.Array, latent_shard: jax.Array,
-            axis_name: str | None = None) -> tuple[mb.Mailbox, jax.Array]:
+def publish(buffer: jax.Array, control: jax.Array, logits: jax.Array, latent_shard: jax.Array,
+            cfg, axis_name: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Store this rank's ``logits`` ``[B, E/tp]`` float32 and ``latent_shard`` ``[B, L/tp]`` bfloat16
     into rows ``[0, B)`` of the next generation of every rank's mailbox, in place.
 
-    ``axis_name`` is the ``shard_map`` axis of the ``cfg.tp`` ranks (None for tp = 1). Returns the
-    mailbox and a zeroed int32 status word for ``triton_mailbox.collect``. Arguments are checked by
-    ``mailbox.exchange``.
+    ``axis_name`` is the ``shard_map`` axis of the ``cfg.tp`` ranks (None for tp = 1). Returns
+    ``(buffer, control, status)``, ``status`` a zeroed int32 word for ``triton_mailbox.collect``. The
+    arguments are checked by ``moe_front_jax.mailbox``.
     """
-    cfg = mailbox.cfg
     batch = logits.shape[0]
-    kernel = publish_kernel(cfg, batch, mailbox.generations, axis_name)
+    kernel = publish_kernel(cfg, batch, buffer.shape[0], axis_name)
     logit_words = lax.bitcast_convert_type(logits, jnp.uint32)
     pairs = latent_shard.reshape(batch, cfg.latent_per_rank // 2, 2)
     latent_words = lax.bitcast_convert_type(pairs, jnp.uint32)
-    control = jax.new_ref(mailbox.control)
-    buffer = jax.new_ref(mailbox.buffer)
+    control = jax.new_ref(control)
+    buffer = jax.new_ref(buffer)
     status = kernel(logit_words, latent_words, control, buffer)
-    return dataclasses.replace(mailbox, buffer=buffer[...], control=control[...]), status
+    return buffer[...], control[...], status

@@ -26,14 +26,12 @@ their launch and the dependency between them, not bandwidth.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from moe_front_jax.bridge import mailbox as mb
+from moe_front_jax.reference import mailbox as mb
 
 BLOCK_CHUNKS = 256
 """16-byte chunks per program, two per thread of ``NUM_WARPS`` warps (the best of 32..256 on the H200
@@ -160,61 +158,71 @@ def layout(cfg) -> dict[str, int]:
     )
 
 
-def publish(
-    mailbox: mb.Mailbox, logits: jax.Array, latent_shard: jax.Array
-) -> tuple[mb.Mailbox, jax.Array]:
-    """Write ``logits`` ``[B, E]`` float32 and ``latent_shard`` ``[B, L]`` bfloat16 (tp = 1) into rows
-    ``[0, B)`` of the next generation, canonicalized, in place.
+def covers(buffer, control, logits, latent_shard, rank, cfg) -> None:
+    """Raise ``NotImplementedError`` unless the publish is one device's (tp = 1): across GPUs the
+    ranks publish with ``peer_mailbox``."""
+    if cfg.tp != 1:
+        raise NotImplementedError(
+            f"the jax-triton publish writes one device's rows (tp=1), got tp={cfg.tp}: across GPUs "
+            "use transport='peer'"
+        )
 
-    Returns the mailbox and a zeroed int32 status word for ``collect``. Arguments are checked by
-    ``mailbox.publish``.
+
+def publish(
+    buffer: jax.Array, control: jax.Array, logits: jax.Array, latent_shard: jax.Array, rank, cfg
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Write ``logits`` ``[B, E]`` float32 and ``latent_shard`` ``[B, L]`` bfloat16 (tp = 1) into rows
+    ``[0, B)`` of the next generation, canonicalized, in place: ``reference.mailbox.publish`` of
+    rank 0 (``rank``; ``covers`` refuses tp > 1).
+
+    Returns ``(buffer, control, status)``, ``status`` a zeroed int32 word for ``collect``. The
+    arguments are checked by ``moe_front_jax.mailbox``.
     """
     import jax_triton as jt
 
-    cfg = mailbox.cfg
-    buffer, control, status = jt.triton_call(
-        mailbox.buffer,
-        mailbox.control,
+    return jt.triton_call(
+        buffer,
+        control,
         logits,
         latent_shard,
         kernel=mailbox_publish,
         out_shape=(
-            jax.ShapeDtypeStruct(mailbox.buffer.shape, mailbox.buffer.dtype),
-            jax.ShapeDtypeStruct(mailbox.control.shape, mailbox.control.dtype),
+            jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+            jax.ShapeDtypeStruct(control.shape, control.dtype),
             jax.ShapeDtypeStruct((), jnp.int32),
         ),
         grid=grid(cfg, logits.shape[0]),
         input_output_aliases={0: 0, 1: 1},
         num_warps=NUM_WARPS,
         name="mailbox_publish",
-        CAPACITY=mailbox.capacity,
-        GENERATIONS=mailbox.generations,
+        CAPACITY=buffer.shape[1],
+        GENERATIONS=buffer.shape[0],
         **layout(cfg),
     )
-    return dataclasses.replace(mailbox, buffer=buffer, control=control), status
 
 
 def collect(
-    mailbox: mb.Mailbox, batch: int, status: jax.Array, spin_limit: int = SPIN_LIMIT
-) -> tuple[jax.Array, jax.Array, jax.Array, mb.Mailbox]:
-    """Poll, copy out and re-arm rows ``[0, batch)`` of the generation last published, in place.
+    buffer: jax.Array, control: jax.Array, status: jax.Array, batch: int, cfg,
+    spin_limit: int = SPIN_LIMIT,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Poll, copy out and re-arm rows ``[0, batch)`` of the generation last published, in place:
+    ``reference.mailbox.collect``.
 
-    ``status`` is an int32 scalar holding 0 (``publish``'s); it is updated in place and returned.
-    Returns ``(logits [batch, E] float32, latent [batch, L] bfloat16, status, mailbox)`` as
-    ``mailbox.collect`` describes; ``spin_limit`` bounds the polls of each chunk block. Arguments are
-    checked by ``mailbox.collect``.
+    ``status`` is an int32 scalar holding 0 (``publish``'s); it is updated in place. Returns
+    ``(logits [batch, E] float32, latent [batch, L] bfloat16, status, buffer, control)``;
+    ``spin_limit`` bounds the polls of each chunk block. The arguments are checked by
+    ``moe_front_jax.mailbox``.
     """
     import jax_triton as jt
 
-    cfg = mailbox.cfg
     buffer, control, latent, logits, status = jt.triton_call(
-        mailbox.buffer,
-        mailbox.control,
+        buffer,
+        control,
         status,
         kernel=mailbox_collect,
         out_shape=(
-            jax.ShapeDtypeStruct(mailbox.buffer.shape, mailbox.buffer.dtype),
-            jax.ShapeDtypeStruct(mailbox.control.shape, mailbox.control.dtype),
+            jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
+            jax.ShapeDtypeStruct(control.shape, control.dtype),
             jax.ShapeDtypeStruct((batch, cfg.latent), jnp.bfloat16),
             jax.ShapeDtypeStruct((batch, cfg.experts), jnp.float32),
             jax.ShapeDtypeStruct((), jnp.int32),
@@ -223,9 +231,9 @@ def collect(
         input_output_aliases={0: 0, 1: 1, 2: 4},
         num_warps=NUM_WARPS,
         name="mailbox_collect",
-        CAPACITY=mailbox.capacity,
+        CAPACITY=buffer.shape[1],
         SPIN=spin_limit,
         TIMEOUT=mb.TIMEOUT,
         **layout(cfg),
     )
-    return logits, latent, status, dataclasses.replace(mailbox, buffer=buffer, control=control)
+    return logits, latent, status, buffer, control

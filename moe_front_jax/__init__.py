@@ -22,27 +22,38 @@ exchange between ranks); ``load_params`` / ``load_weights`` (safetensors checkpo
 ``reference`` (the plain-JAX reference every kernel is tested against).
 """
 
-from moe_front_jax import nn, reference
-from moe_front_jax.api import FrontOutput, moe_front, route
-from moe_front_jax.bridge.mailbox import Mailbox
-from moe_front_jax.checkpoint import load_params, load_weights
-from moe_front_jax.config import KIMI_K3, FrontConfig
-from moe_front_jax.params import FrontParams, init_weights, pack_params
-from moe_front_jax.parallel import shard_params
+import importlib
 
-__all__ = [
-    "KIMI_K3",
-    "FrontConfig",
-    "FrontOutput",
-    "FrontParams",
-    "Mailbox",
-    "init_weights",
-    "load_params",
-    "load_weights",
-    "moe_front",
-    "nn",
-    "pack_params",
-    "reference",
-    "route",
-    "shard_params",
-]
+# Each public name -> the module that defines it, imported when first used: importing a kernel
+# (``moe_front_jax.pallas.route``) then loads only what it needs, not Flax or safetensors.
+_PUBLIC = {
+    "KIMI_K3": "moe_front_jax.config",
+    "FrontConfig": "moe_front_jax.config",
+    "FrontOutput": "moe_front_jax.api",
+    "FrontParams": "moe_front_jax.params",
+    "Mailbox": "moe_front_jax.mailbox",
+    "init_weights": "moe_front_jax.params",
+    "load_params": "moe_front_jax.checkpoint",
+    "load_weights": "moe_front_jax.checkpoint",
+    "moe_front": "moe_front_jax.api",
+    "nn": None,
+    "pack_params": "moe_front_jax.params",
+    "reference": None,
+    "route": "moe_front_jax.api",
+    "shard_params": "moe_front_jax.parallel",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'moe_front_jax' has no attribute {name!r}")
+    module = _PUBLIC[name]
+    value = (importlib.import_module(f"moe_front_jax.{name}") if module is None
+             else getattr(importlib.import_module(module), name))
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

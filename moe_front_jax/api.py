@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_front_jax import backends, parallel
-from moe_front_jax.bridge import mailbox as mailboxes
+from moe_front_jax import dispatch, parallel
+from moe_front_jax import mailbox as mailboxes
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import FrontParams
 
@@ -151,7 +151,7 @@ def moe_front(
     if not isinstance(plan, (bool, np.bool_)):
         raise ValueError(f"plan must be a bool, got {type(plan).__name__} {plan!r}")
     plan = bool(plan)
-    backends.check_backend(backend)
+    dispatch.check_backend(backend)
     parallel.check_shared_reduce(shared_reduce)
     options = dict(plan=plan, backend=backend, shared_reduce=shared_reduce)
     if axis_name is None and isinstance(params, FrontParams) and params.mesh is not None:
@@ -178,35 +178,36 @@ def moe_front(
     status = jnp.zeros((), jnp.int32)
     planned = None
     gemm_args = (x, params.packed, params.split, cfg.experts_per_rank)
-    # The front GEMM kernel with the plan in its epilogue, where the direct path runs it.
-    plan_gemm = plan and backends.runs_kernel("front_gemm_plan", backend, *gemm_args, cfg.plan_block)
-    if mailbox is not None and (plan_gemm or backends.runs_kernel("front_gemm", backend, *gemm_args)):
-        # The GEMM kernel the direct path runs (its schedule, so its bits) publishes into the mailbox
-        # from its epilogue: no publish kernel.
-        ids, weights, logits, latent, planned, status, mailbox = mailboxes.gemm_exchange_route(
-            mailbox, x, params.packed, params.bias, split=params.split,
-            valid=cfg.experts_per_rank, backend=backend, plan=plan, plan_schedule=plan_gemm,
-        )
-    elif mailbox is not None:
-        logits, latent = backends.stage("front_gemm", backend)(*gemm_args)
-        ids, weights, logits, latent, planned, status, mailbox = mailboxes.exchange_route(
-            mailbox, logits, latent, params.bias, backend=backend, plan=plan
-        )
+    # The front GEMM with the plan in its epilogue, where its kernel runs; else the plan stage after.
+    plan_gemm = plan and dispatch.choose("front_gemm_plan", backend, *gemm_args, cfg.plan_block).kernel
+    if mailbox is not None:
+        # Where the front GEMM's kernel runs, it publishes from its epilogue with the direct path's
+        # schedule (so its bits): no publish kernel, no logits or latent written first.
+        box = (mailbox.buffer, mailbox.control, mailbox.tickets, cfg)
+        block = cfg.plan_block if plan_gemm else None
+        if dispatch.choose("front_gemm_publish", backend, *gemm_args, *box, plan_block=block).kernel:
+            ids, weights, logits, latent, planned, status, mailbox = mailboxes.gemm_exchange_route(
+                mailbox, x, params.packed, params.bias, split=params.split,
+                valid=cfg.experts_per_rank, backend=backend, plan=plan, plan_block=block,
+            )
+        else:
+            logits, latent = dispatch.run("front_gemm", backend, *gemm_args)
+            ids, weights, logits, latent, planned, status, mailbox = mailboxes.exchange_route(
+                mailbox, logits, latent, params.bias, backend=backend, plan=plan
+            )
     else:
         if plan_gemm:
-            # The kernel writes the plan from the GEMM's epilogue: no second pass over the latent.
-            logits, latent, planned = backends.stage("front_gemm_plan", backend)(
-                *gemm_args, cfg.plan_block)
+            logits, latent, planned = dispatch.run("front_gemm_plan", backend, *gemm_args,
+                                                   cfg.plan_block)
         else:
-            logits, latent = backends.stage("front_gemm", backend)(*gemm_args)
-            if plan:  # the plan stage after XLA's GEMM, or ("auto") after the plain kernel
-                planned = backends.stage("plan", backend)(latent, cfg.plan_block)
-        ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
+            logits, latent = dispatch.run("front_gemm", backend, *gemm_args)
+            if plan:
+                planned = dispatch.run("plan", backend, latent, cfg.plan_block)
+        ids, weights = dispatch.run("route", backend, logits, params.bias, cfg)
     shared = None
     if params.has_shared:
-        shared = backends.stage("shared_expert", backend)(
-            x, params.gate_up, params.down, cfg, jnp.bfloat16
-        )
+        shared = dispatch.run("shared_expert", backend, x, params.gate_up, params.down, cfg,
+                              jnp.bfloat16)
     out = FrontOutput(ids, weights, latent, logits, shared, planned, status)
     return out if mailbox is None else (out, mailbox)
 
@@ -230,7 +231,7 @@ def route(
       ValueError: an unknown ``backend``; ``cfg`` not a ``FrontConfig``; ``logits`` not a
         ``[B, E]`` float32 array or an empty batch; ``bias`` not ``[E]`` float32.
     """
-    backends.check_backend(backend)
+    dispatch.check_backend(backend)
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
     shape = getattr(logits, "shape", None)
@@ -248,4 +249,4 @@ def route(
         got = (f"a {type(bias).__name__}" if bias_shape is None
                else f"{tuple(bias_shape)} {bias.dtype}")
         raise ValueError(f"bias must be ({cfg.experts},) float32, got {got}")
-    return backends.stage("route", backend)(logits, bias, cfg)
+    return dispatch.run("route", backend, logits, bias, cfg)

@@ -1,4 +1,4 @@
-"""Tensor parallelism of the MoE front with ``jax.shard_map`` (DESIGN.md, "Tensor parallelism").
+"""Tensor parallelism of the MoE front with ``jax.shard_map`` .
 
 Each device of a mesh axis (default ``"tp"``, ``tp`` devices) holds its router rows (``E/tp``), its
 latent down-projection rows (``L/tp``) and its slice of the shared expert (``S/tp``). A call runs the
@@ -27,8 +27,8 @@ from jax import lax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe_front_jax import backends
-from moe_front_jax.bridge import mailbox as mailboxes
+from moe_front_jax import dispatch
+from moe_front_jax import mailbox as mailboxes
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import (
     BIAS,
@@ -306,32 +306,46 @@ def rank_front(
             f"tp={cfg.tp}"
         )
     check_scatter(shared_reduce, cfg, tp)
-    gemm = backends.stage("front_gemm", backend)
-    logits, latent_shard = gemm(x, params.packed, params.split, cfg.experts_per_rank)
+    logits, latent_shard = dispatch.run("front_gemm", backend, x, params.packed, params.split,
+                                        cfg.experts_per_rank)
     status = jnp.zeros((), jnp.int32)
     if mailbox is None:
         logits, latent = exchange(logits, latent_shard, axis_name)
-        ids, weights = backends.stage("route", backend)(logits, params.bias, cfg)
-        planned = backends.stage("plan", backend)(latent, cfg.plan_block) if plan else None
+        ids, weights = dispatch.run("route", backend, logits, params.bias, cfg)
+        planned = dispatch.run("plan", backend, latent, cfg.plan_block) if plan else None
     else:
-        transport = "peer" if mailboxes.uses_kernels(backend) else "gather"
+        transport = "peer" if mailboxes.runs_kernels(mailbox, x.shape[0], backend) else "gather"
         ids, weights, logits, latent, planned, status, mailbox = mailboxes.exchange_route(
             mailbox, logits, latent_shard, params.bias, axis_name=axis_name, backend=backend,
             transport=transport, plan=plan,
         )
     shared = None
     if params.has_shared:
-        partial = backends.stage("shared_expert", backend)(
-            x, params.gate_up, params.down, cfg, jnp.float32
-        )
+        partial = dispatch.run("shared_expert", backend, x, params.gate_up, params.down, cfg,
+                               jnp.float32)
         shared = reduce_shared(partial, axis_name, shared_reduce)
     return (ids, weights, latent, logits, shared, planned, status), mailbox
 
 
-def runs_kernels(backend: str, plan: bool, shared: bool) -> bool:
-    """Whether ``rank_front`` under ``backend`` runs any Pallas kernel (not only the reference)."""
-    stages = ["front_gemm", "route"] + ["plan"] * plan + ["shared_expert"] * shared
-    return any(backends.stage(name, backend) is not backends.REFERENCE[name] for name in stages)
+def runs_kernels(params: FrontParams, rows: int, backend: str, plan: bool) -> bool:
+    """Whether ``rank_front`` over ``rows`` rows of one rank's ``params`` runs any Pallas kernel
+    under ``backend`` (``dispatch`` asked with the rank's shapes), rather than only the reference."""
+    cfg = params.cfg
+
+    def local(*shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    x = local(rows, cfg.hidden)
+    packed = local(params.split + cfg.latent_per_rank, cfg.hidden)
+    asks = [("front_gemm", (x, packed, params.split, cfg.experts_per_rank)),
+            ("route", (local(rows, cfg.experts, dtype=jnp.float32),
+                       local(cfg.experts, dtype=jnp.float32), cfg))]
+    if plan:
+        asks.append(("plan", (local(rows, cfg.latent), cfg.plan_block)))
+    if params.has_shared:
+        asks.append(("shared_expert", (x, local(2 * cfg.shared_per_rank, cfg.hidden),
+                                       local(cfg.hidden, cfg.shared_per_rank), cfg, jnp.float32)))
+    return any(dispatch.choose(name, backend, *args).kernel for name, args in asks)
 
 
 def sharded_front(
@@ -384,6 +398,6 @@ def sharded_front(
         in_specs=(rows, specs["packed"], specs["bias"], specs["gate_up"], specs["down"]),
         out_specs=(rows, rows, rows, rows, shared_spec, rows, P()),
         # A pallas_call's out_shape carries no varying-axes type, which check_vma=True requires.
-        check_vma=not runs_kernels(backend, plan, params.has_shared),
+        check_vma=not runs_kernels(params, x.shape[0] // groups, backend, plan),
     )
     return front(x, params.packed, params.bias, params.gate_up, params.down)

@@ -16,7 +16,7 @@ Schedule. Both GEMMs are bound by reading their weight, so each is ``streaming``
 program streams one slab of the weight, ``block_rows`` rows by a ``K / split_k`` chunk of K, in
 ``block_k`` steps that Triton's software pipeliner keeps ``num_stages`` deep, and when K is split the
 tile's last program to arrive sums the float32 partials in a fixed order and runs the epilogue
-(``streaming.finish_split_k``). Situ needs gate row ``j`` and up row ``j`` in the same program: each
+(``gemm.triton.finish_split_k``). Situ needs gate row ``j`` and up row ``j`` in the same program: each
 gate/up program loads TWO row blocks per K step, ``gate_up[r : r + block_rows]`` and
 ``gate_up[S_r + r : S_r + r + block_rows]``, into two accumulators (two contiguous slabs, as cheap to
 stream as one of twice the height), so the weight keeps its checkpoint layout (gate rows, then up
@@ -28,7 +28,7 @@ tp8): its row tiles alone give 224 programs of 32 rows, so it rarely needs a spl
 call (plus, when a kernel splits K or runs stream-K, XLA's zeroing of its int32 counters), as XLA's
 own fusion needs.
 
-Stream-K (``GemmConfig(programs=P)``, ``streaming.stream_k``): the ``tiles x K steps`` iterations
+Stream-K (``GemmConfig(programs=P)``, ``gemm.triton.stream_k``): the ``tiles x K steps`` iterations
 cut into ``P`` equal runs, one per program, each tile finished by its last contributor, as the
 front GEMM's. At tp1 B=64 the table's grid (96 gate/up tiles of 64 + 64 rows, K split in two) gave
 192 programs of 196 KiB of pipeline buffers each, one per SM: 1.45 waves, the last 45% full, and
@@ -36,7 +36,7 @@ the weight read at 3.1 TB/s (Nsight Compute, benchmarks/RESULTS.md, tenth sessio
 one per SM, end together: 132 programs of 64 + 64 rows took that gate/up from 58.2 to 54.1 us. At
 tp1 B=16 and 32, at tp8, and for the down kernel, the grid (or the heuristic) stayed faster.
 
-Vector schedule (``GemmConfig(vector=True)``, ``B <= 8``; ``streaming.vector_stream``): either kernel
+Vector schedule (``GemmConfig(vector=True)``, ``B <= 8``; ``gemm.triton.vector_stream``): either kernel
 as one program per ``block_rows`` rows (1 to 16; gate/up: as many gate and up rows) over all of K,
 multiply-adds on the CUDA cores, no split, no counters; the same epilogues. At tp8 a gate/up program
 of one gate and one up row gives 768 programs without splitting K.
@@ -99,29 +99,25 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_front_jax import reference
 from moe_front_jax.config import FrontConfig
-from moe_front_jax.pallas import shared_expert_tma
-from moe_front_jax.pallas.streaming import (
+from moe_front_jax.pallas.shared_expert import tma as shared_expert_tma
+from moe_front_jax.pallas.device import core_count, measured_faster, table_kinds, tuning_entries
+from moe_front_jax.pallas.gemm.schedule import (
     MAX_BATCH,
     MIN_DOT,
     VECTOR_MAX_BATCH,
     GemmConfig,
-    StreamK,
-    core_count,
-    finish_split_k,
-    masked_load,
-    measured_faster,
     padded_batch,
     split_for_cores,
+)
+from moe_front_jax.pallas.gemm.triton import (
+    StreamK,
+    finish_split_k,
+    masked_load,
     split_k_workspace,
     stream_k,
-    table_entries,
-    table_kinds,
     vector_stream,
 )
 
-TABLE_FILES = {"NVIDIA H200": "h200_shared_expert.json",
-               "NVIDIA H100 80GB HBM3": "h100_shared_expert.json"}
-"""Tuning table per device kind, under ``pallas/tuning/``."""
 SMEM_BUDGET = 160 * 1024
 """The heuristic's pipeline buffers per program stay under this."""
 
@@ -157,10 +153,8 @@ def table_key(shared_per_rank: int, hidden: int, batch: int) -> str:
 
 def load_table(kind: str) -> dict[str, SharedExpertConfig]:
     """The tuning table of device ``kind``: ``key -> config`` (empty where there is none)."""
-    name = TABLE_FILES.get(kind)
-    if name is None:
-        return {}
-    return {key: SharedExpertConfig.from_json(entry) for key, entry in table_entries(name).items()}
+    return {key: SharedExpertConfig.from_json(entry)
+            for key, entry in tuning_entries(kind, "shared_expert").items()}
 
 
 def _block_k(k: int, bp: int) -> int:
@@ -196,7 +190,7 @@ def heuristic_config(shared_per_rank: int, hidden: int, batch: int, cores: int) 
 
 def pick_config(shared_per_rank: int, hidden: int, batch: int) -> SharedExpertConfig:
     """The table's entry for this shape on the target device (its own table's, else the one it
-    borrows, ``streaming.TABLES_OF``), else ``heuristic_config``."""
+    borrows, ``device.TABLES_OF``), else ``heuristic_config``."""
     tables = [load_table(kind) for kind in table_kinds()]
     # The batch's own power of two (vector schedules are tuned per small batch), then the
     # tensor-core batch tile it pads to; each in the device's own table, then the borrowed one.
@@ -211,7 +205,7 @@ def pick_config(shared_per_rank: int, hidden: int, batch: int) -> SharedExpertCo
 def auto_prefers_kernel(x, gate_up, down, cfg, out_dtype=jnp.bfloat16) -> bool:
     """``backend="auto"``'s choice for ``shared_expert(x, gate_up, down, cfg, out_dtype)``: True
     where the target device's auto table measured these kernels faster than
-    ``reference.shared_expert`` at these shapes (``streaming.measured_faster``; the batch takes its
+    ``reference.shared_expert`` at these shapes (``device.measured_faster``; the batch takes its
     power of two's entry). The table's runs are in the dtype ``moe_front`` asks for (bfloat16 at tp1,
     the float32 partial under tp)."""
     del gate_up, cfg, out_dtype
@@ -322,7 +316,7 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, situ, out_dtype, interpret:
 
 def _stream_k_kernel(x_ref, w_ref, counters_in_ref, out_ref, partials_ref, counters_ref, *,
                      geometry: Geometry, situ, out_dtype, interpret: bool):
-    """One stream-K program of either GEMM (``streaming.stream_k``), as ``_kernel``'s tiles."""
+    """One stream-K program of either GEMM (``gemm.triton.stream_k``), as ``_kernel``'s tiles."""
     del counters_in_ref  # aliased to counters_ref
     g = geometry
     sk = StreamK(g.tiles, g.depth // g.config.block_k, g.config.programs)
@@ -339,7 +333,7 @@ def _stream_k_kernel(x_ref, w_ref, counters_in_ref, out_ref, partials_ref, count
 
 
 def _vector_kernel(x_ref, w_ref, out_ref, *, geometry: Geometry, situ, out_dtype, interpret: bool):
-    """One program of either GEMM on the vector schedule (``streaming.vector_stream``): one tile of
+    """One program of either GEMM on the vector schedule (``gemm.triton.vector_stream``): one tile of
     rows (and, for gate/up, the up rows ``geometry.rows`` below) over all of K, then the epilogue."""
     del interpret
     g, bn = geometry, geometry.config.block_rows
@@ -499,6 +493,12 @@ def down_proj_t(
         hidden_t = jnp.pad(hidden_t, ((0, 0), (0, tile - hidden_t.shape[1])))
     return _gemm(hidden_t, down, down.shape[0], jnp.dtype(out_dtype), config, None, interpret,
                  "shared_down", batch_t=batch)
+
+
+def covers(x, gate_up, down, cfg, out_dtype=jnp.bfloat16) -> None:
+    """Raise ``NotImplementedError`` where the kernels do not cover these arguments (``B > 256``, H
+    or S_r not a multiple of 16), ``ValueError`` where they are wrong."""
+    _check(x, gate_up, down, cfg, out_dtype)
 
 
 def shared_expert(

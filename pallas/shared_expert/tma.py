@@ -91,7 +91,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_front_jax import reference
-from moe_front_jax.pallas.streaming import TMA_MAX_BATCH, GemmConfig
+from moe_front_jax.pallas.gemm.schedule import TMA_MAX_BATCH, GemmConfig
 
 
 def padded_batch(batch: int) -> int:

@@ -72,9 +72,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_front_jax.bridge import mailbox as mb
-from moe_front_jax.pallas import plan
-from moe_front_jax.pallas import route as rt
+from moe_front_jax.config import FrontConfig
+from moe_front_jax.reference import mailbox as mb
+from moe_front_jax.pallas.plan import kernel as plan
+from moe_front_jax.pallas.route import kernel as rt
 
 SPIN_LIMIT = 1 << 15
 """Polls of a row before the kernel reports ``TIMEOUT``: on the H200 a never-published mailbox
@@ -238,11 +239,25 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
         finish(pending, cells, latent_words, ok)
 
 
+def covers(buffer, control, status, bias, batch, cfg, *, with_plan: bool = False) -> None:
+    """Raise ``NotImplementedError`` where the kernel does not cover this request: more than
+    ``route.MAX_LANES`` experts, or ``with_plan`` with a plan block it does not fuse."""
+    if rt.next_power_of_2(cfg.experts) > rt.MAX_LANES:
+        raise NotImplementedError(
+            f"route_collect holds up to {rt.MAX_LANES} experts a row, got experts={cfg.experts}")
+    if with_plan and not fuses_plan(cfg):
+        raise NotImplementedError(
+            f"route_collect writes the plan for a plan_block that is a power of two >= 2, got "
+            f"{cfg.plan_block}")
+
+
 def route_collect(
-    mailbox: mb.Mailbox,
+    buffer: jax.Array,
+    control: jax.Array,
     status: jax.Array,
     bias: jax.Array,
     batch: int,
+    cfg: FrontConfig,
     *,
     with_plan: bool = False,
     spin_limit: int = SPIN_LIMIT,
@@ -252,39 +267,40 @@ def route_collect(
     """Poll, copy out and re-arm rows ``[0, batch)`` of the generation last published, and route them.
 
     Args:
-      mailbox: the ``Mailbox``, published for this step (``mailbox.cfg`` supplies the layout and the
-        routing constants).
+      buffer, control: the mailbox's rows ``[G, capacity, row_words]`` uint32 and generations ``[2]``
+        int32, published for this step (``reference.mailbox``); updated in place.
       status: int32 scalar, 0 (the publish's status word); updated in place.
       bias: ``[E]`` float32 correction bias.
       batch: rows to collect, in ``[1, capacity]``.
+      cfg: the config the rows are laid out for; supplies the routing constants.
       with_plan: also write the MXFP8 plan of the latent from the same registers (needs
-        ``fuses_plan(mailbox.cfg)``).
+        ``fuses_plan(cfg)``).
       spin_limit: polls of a row before it is a timeout.
       interpret: run in Pallas' interpret mode (any machine).
       config: the routing schedule (``route.RouteConfig``); None picks ``route``'s.
 
     Returns:
       ``(ids [batch, K] int32, weights [batch, K] bfloat16, logits [batch, E] float32,
-      latent [batch, L] bfloat16, status, mailbox)``: what ``mailbox.collect`` then ``route.route``
-      return, the mailbox re-armed. With ``with_plan``, ``(values [batch, L] float8_e4m3fn, scales
+      latent [batch, L] bfloat16, status, buffer, control)``: what ``reference.mailbox.collect`` then
+      ``route.route`` return, the rows re-armed. With ``with_plan``, ``(values [batch, L] float8_e4m3fn, scales
       [batch, L / plan_block] float8_e8m0fnu)`` follows the latent: ``plan.plan`` of it, bit for bit.
 
     Raises:
-      ValueError: a wrong mailbox, batch, bias or status; ``with_plan`` with a plan block the kernel
+      ValueError: a wrong buffer, control, batch, bias or status; ``with_plan`` with a plan block the kernel
         does not fuse.
       NotImplementedError: more than ``route.MAX_LANES`` experts.
     """
-    cfg = mb.mailbox_config(mailbox)
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
-    mb.check_mailbox(mailbox, cfg, batch)
+    shape = tuple(getattr(buffer, "shape", ()))
+    if (len(shape) != 3 or shape[2] != mb.row_words(cfg) or buffer.dtype != jnp.uint32
+            or shape[1] < batch or tuple(getattr(control, "shape", ())) != (mb.CONTROL_WORDS,)):
+        raise ValueError(f"buffer {shape} and control {getattr(control, 'shape', None)} are not a "
+                         f"mailbox of {batch} or more rows laid out for {cfg}")
     rt._check(jax.ShapeDtypeStruct((batch, cfg.experts), jnp.float32), bias, cfg)
     if getattr(status, "shape", None) != () or status.dtype != jnp.int32:
         raise ValueError(f"status must be an int32 scalar, got {getattr(status, 'shape', status)}")
-    if with_plan and not fuses_plan(cfg):
-        raise ValueError(
-            f"with_plan needs a plan_block that is a power of two >= 2, got {cfg.plan_block}"
-        )
+    covers(buffer, control, status, bias, batch, cfg, with_plan=with_plan)
     config = config or rt.pick_config(batch, cfg.experts, cfg.top_k)
     if not isinstance(config, rt.RouteConfig):
         raise ValueError(f"config must be a RouteConfig or None, got {type(config).__name__}")
@@ -312,8 +328,8 @@ def route_collect(
     buffer, control, status, ids, weights, logits, latent_words, *planned = pl.pallas_call(
         kernel,
         out_shape=[
-            jax.ShapeDtypeStruct(mailbox.buffer.shape, jnp.uint32),
-            jax.ShapeDtypeStruct(mailbox.control.shape, jnp.int32),
+            jax.ShapeDtypeStruct(buffer.shape, jnp.uint32),
+            jax.ShapeDtypeStruct(control.shape, jnp.int32),
             jax.ShapeDtypeStruct((1,), jnp.int32),
             jax.ShapeDtypeStruct((batch, cfg.top_k), jnp.int32),
             jax.ShapeDtypeStruct((batch, cfg.top_k), jnp.bfloat16),
@@ -326,11 +342,11 @@ def route_collect(
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         name="route_collect",
-    )(mailbox.buffer, mailbox.control, status.reshape(1), bias)
+    )(buffer, control, status.reshape(1), bias)
     latent = lax.bitcast_convert_type(latent_words, jnp.bfloat16).reshape(batch, cfg.latent)
     out = (ids, weights, logits, latent)
     if with_plan:
         values, scales = planned
         values = lax.bitcast_convert_type(values, jnp.float8_e4m3fn).reshape(batch, cfg.latent)
         out += ((values, lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)),)
-    return (*out, status.reshape(()), dataclasses.replace(mailbox, buffer=buffer, control=control))
+    return (*out, status.reshape(()), buffer, control)

@@ -23,7 +23,7 @@ never straddle tiles whatever ``split`` is. The row tiles alone are too few to f
 shard has 560 rows), so K is split over ``split_k`` programs per tile: each writes its float32 partial
 tile to a workspace, then takes a ticket from the tile's counter (an acquire-release atomic after a
 CTA barrier); the last of the tile's programs to arrive sums the ``split_k`` partials in a fixed order
-(so results do not depend on arrival order) and runs the epilogue (``streaming.finish_split_k``, shared
+(so results do not depend on arrival order) and runs the epilogue (``gemm.triton.finish_split_k``, shared
 with the shared expert's kernels). That reduction lives in the GEMM
 kernel rather than in a second Pallas kernel so that no cast or reduction pass follows it; its price
 is the partials' round trip through L2 (``2 * 4 * B * n * split_k`` bytes when split) and a zeroed
@@ -39,7 +39,7 @@ of weight bytes whatever the tile count, where the grid of ``split_k x tiles`` p
 SMs a program more than others at its end. A run covers parts of one or more tiles; each part's
 float32 partial goes to a workspace slot ``[program, segment]`` and takes a ticket from its tile's
 counter, and the tile's last contributor sums its contributors' partials in program order and runs
-the same epilogue (``streaming.stream_k``, shared with the shared expert's kernels). Partials:
+the same epilogue (``gemm.triton.stream_k``, shared with the shared expert's kernels). Partials:
 ``4 * block_rows * B_tile`` bytes written and read back per segment.
 
 Vector (``FrontGemmConfig(vector=True)``, ``B <= 8``): one program per ``block_rows`` rows (any power of
@@ -52,7 +52,7 @@ Measured on the H200 (benchmarks/RESULTS.md, sixth session): the fastest schedul
 every tp (tp1 B=1 17.8 us, 3.6 TB/s, against 20.7 for the best tensor-core schedule; tp8 B=1 4.1
 against 6.7); at tp1 1.5x (B=4) and 3x (B=8) slower than them. Not profiled; the compiled code
 issues fewer of a program's weight loads ahead of its multiply-adds as B grows
-(``streaming.vector_stream``).
+(``gemm.triton.vector_stream``).
 
 Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working). The kernel needs exactly what
 Triton does well: a K loop whose loads the software pipeliner turns into ``num_stages`` asynchronous
@@ -83,34 +83,30 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_front_jax.bridge import mailbox as mb
-from moe_front_jax.pallas.plan import quantize_tile
-from moe_front_jax.pallas.streaming import (
+from moe_front_jax.reference import mailbox as mb
+from moe_front_jax.pallas.plan.kernel import quantize_tile
+from moe_front_jax.config import FrontConfig
+from moe_front_jax.pallas.device import core_count, measured_faster, table_kinds, tuning_entries
+from moe_front_jax.pallas.gemm.schedule import (
     MAX_BATCH,
     MIN_DOT,
     VECTOR_MAX_BATCH,
     GemmConfig,
-    StreamK,
-    core_count,
-    finish_split_k,
-    masked_load,
-    measured_faster,
     padded_batch,
     split_for_cores,
+)
+from moe_front_jax.pallas.gemm.triton import (
+    StreamK,
+    finish_split_k,
+    masked_load,
     split_k_workspace,
     stream_k,
-    table_entries,
-    table_kinds,
     vector_stream,
 )
 
-TABLE_FILES = {"NVIDIA H200": "h200_front_gemm.json"}
-"""Tuning table per device kind, under ``pallas/tuning/``."""
-
-
 @dataclasses.dataclass(frozen=True)
 class FrontGemmConfig(GemmConfig):
-    """Block shapes and schedule of the front GEMM (``streaming.GemmConfig``: the grid, stream-K
+    """Block shapes and schedule of the front GEMM (``gemm.schedule.GemmConfig``: the grid, stream-K
     with ``programs``, or the vector schedule); ``block_rows`` is at least the plan block when the
     plan is written (the kernel widens narrower tiles). The vector schedule has no plan epilogue.
     The TMA schedules (``tma``, ``batch_m``) are the shared expert's alone."""
@@ -137,11 +133,8 @@ def load_table(kind: str) -> dict[tuple[str, bool], FrontGemmConfig]:
     epilogue apart, the schedule of the GEMM with the plan (``plan_config``; else ``config``, unless
     that is a vector schedule, which has no plan epilogue).
     """
-    name = TABLE_FILES.get(kind)
-    if name is None:
-        return {}
     table = {}
-    for key, entry in table_entries(name).items():
+    for key, entry in tuning_entries(kind, "front_gemm").items():
         table[key, False] = FrontGemmConfig(**entry["config"])
         plan = FrontGemmConfig(**entry.get("plan_config", entry["config"]))
         if not plan.vector:  # no plan epilogue: the plan takes the padded batch's entry
@@ -188,11 +181,33 @@ def pick_config(
 def auto_prefers_kernel(x, packed, split, valid) -> bool:
     """``backend="auto"``'s choice for ``front_gemm(x, packed, split, valid)``: True where the target
     device's auto table measured this kernel faster than ``reference.front_gemm`` at these shapes
-    (``streaming.measured_faster``; the batch takes its power of two's entry)."""
+    (``device.measured_faster``; the batch takes its power of two's entry)."""
     if getattr(x, "ndim", 0) != 2 or getattr(packed, "ndim", 0) != 2 or x.shape[0] < 1:
         return False  # the reference raises the error that names the argument
     return measured_faster(
         "front_gemm", table_key(valid, packed.shape[0] - split, x.shape[1], x.shape[0]))
+
+
+def auto_prefers_publish(x, packed, split, valid, buffer, control, tickets, cfg, *,
+                         plan_block=None) -> bool:
+    """``backend="auto"``'s choice for ``front_gemm_publish``: where it prefers ``front_gemm``'s kernel
+    and publishes with its schedule (``plan_block`` None: ``front_gemm_plan``, which "auto" never
+    runs, is the other schedule)."""
+    return plan_block is None and auto_prefers_kernel(x, packed, split, valid)
+
+
+def covers(x, packed, split, valid, block=None) -> None:
+    """Raise ``NotImplementedError`` where the kernel does not cover these arguments (``B > 256``, a
+    hidden size not a multiple of 16), ``ValueError`` where they are wrong."""
+    _check(x, packed, split, valid, block)
+
+
+def covers_publish(x, packed, split, valid, buffer, control, tickets, cfg, *, plan_block=None) -> None:
+    """``covers`` for ``front_gemm_publish``: also a mailbox of one device's rows (tp = 1) only."""
+    _check(x, packed, split, valid, None)
+    if cfg.tp != 1:
+        raise NotImplementedError(
+            f"front_gemm_publish publishes one device's rows (tp=1), got a mailbox for tp={cfg.tp}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,7 +440,7 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
 
 
 def _stream_k_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
-    """One stream-K program (``streaming.stream_k``): its run of iterations, tile by tile, each
+    """One stream-K program (``gemm.triton.stream_k``): its run of iterations, tile by tile, each
     tile stored by its last contributor."""
     g, cfg = geometry, geometry.config
     outs, partials_ref, counters_ref = _outputs(g, list(refs))
@@ -445,7 +460,7 @@ def _stream_k_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
 
 def _vector_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     """One program of the vector schedule: tile ``tile``'s rows over all of K on the CUDA cores
-    (``streaming.vector_stream``); no partial leaves the program.
+    (``gemm.triton.vector_stream``); no partial leaves the program.
 
     Publishing with one-row blocks, a program computes two of them (its tile is two rows), each as
     the one-row schedule does (so the same bits), and stores their pair of latent columns as one
@@ -545,14 +560,15 @@ def _resolve(config, valid, shard, hidden, batch, block) -> FrontGemmConfig:
 
 
 def _call(x, packed, split, valid, block, interpret, config, mailbox=None):
+    """The pallas_call; ``mailbox``: None, or the ``(buffer, control, tickets)`` to publish into."""
     _check(x, packed, split, valid, block)
     (batch, hidden), rows = x.shape, packed.shape[0]
     config = _resolve(config, valid, rows - split, hidden, batch, block)
     g = Geometry(batch, hidden, rows, split, valid, block, config, publish=mailbox is not None)
     if g.publish:
         out_shape = [
-            jax.ShapeDtypeStruct(mailbox.buffer.shape, jnp.uint32),
-            jax.ShapeDtypeStruct(mailbox.control.shape, jnp.int32),
+            jax.ShapeDtypeStruct(mailbox[0].shape, jnp.uint32),
+            jax.ShapeDtypeStruct(mailbox[1].shape, jnp.int32),
             jax.ShapeDtypeStruct((1,), jnp.int32),
         ]
     else:
@@ -567,7 +583,7 @@ def _call(x, packed, split, valid, block, interpret, config, mailbox=None):
             jax.ShapeDtypeStruct((batch, g.shard // block), jnp.uint8),
         ]
     args, aliases = [x, packed], {}
-    tickets = mailbox.tickets if g.publish else None  # the tile counters kept from call to call
+    tickets = mailbox[2] if g.publish else None  # the tile counters kept from call to call
     if config.vector:
         kernel, grid = _vector_kernel, (g.tiles,)
     elif config.programs:
@@ -586,7 +602,7 @@ def _call(x, packed, split, valid, block, interpret, config, mailbox=None):
         kernel, grid = _kernel, (config.split_k, g.tiles)
     if g.publish:  # the mailbox's buffer and control words, updated in place
         aliases |= {len(args): 0, len(args) + 1: 1}
-        args += [mailbox.buffer, mailbox.control]
+        args += list(mailbox[:2])
     name = "front_gemm_publish" if g.publish else "front_gemm_plan" if block is not None else "front_gemm"
     outs = pl.pallas_call(
         functools.partial(kernel, geometry=g, interpret=interpret),
@@ -673,15 +689,17 @@ def front_gemm_publish(
     packed: jax.Array,
     split: int,
     valid: int,
-    mailbox: mb.Mailbox,
+    buffer: jax.Array,
+    control: jax.Array,
+    tickets: jax.Array,
+    cfg: FrontConfig,
     *,
     plan_block: int | None = None,
     interpret: bool = False,
     config: FrontGemmConfig | None = None,
-) -> tuple[mb.Mailbox, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``front_gemm`` whose epilogue publishes into a tp = 1 mailbox instead of writing the logits and
-    latent: ``mailbox.publish(mailbox, *front_gemm(x, packed, split, valid))`` in one kernel, the
-    logits and latent never written elsewhere (SPEC section 7).
+    latent: ``reference.mailbox.publish`` of ``front_gemm``'s outputs in one kernel (SPEC section 7).
 
     Each finished tile goes straight into rows ``[0, B)`` of generation ``g = (control[0] + 1) mod G``
     as canonical words (-0 becomes +0): a router tile's float32 bits at words ``L/2 + e``, a latent
@@ -691,29 +709,46 @@ def front_gemm_publish(
     bits of that call's logits and latent.
 
     Args:
-      x, packed, split, valid, interpret, config: as for ``front_gemm``; ``valid`` must be the
-        mailbox's experts and ``n - split`` its latent width.
-      mailbox: a ``Mailbox`` of a tp = 1 config, with room for ``B`` rows; updated in place (donate it).
+      x, packed, split, valid, interpret, config: as for ``front_gemm``; ``valid`` must be
+        ``cfg.experts`` and ``n - split`` ``cfg.latent``.
+      buffer: ``[G, capacity, row_words]`` uint32, ``capacity >= B``; updated in place (donate it).
+      control: ``[2]`` int32, the mailbox's generations (``reference.mailbox``).
+      tickets: ``[ticket_count(valid, n - split)]`` int32, all zero: the split-K and stream-K tile
+        counters, kept by the caller from call to call and zero again on return.
+      cfg: the config of a tp = 1 mailbox's rows.
       plan_block: run the schedule ``front_gemm_plan(..., block=plan_block)`` would (its table entry,
         its tiles widened to the block), to give that call's bits; the plan itself is not written.
 
     Returns:
-      ``(mailbox, status)``: the mailbox published into, and the zeroed int32 status word that the
-      collect takes (``triton_mailbox.collect``).
+      ``(buffer, control, tickets, status)``, ``status`` the zeroed int32 word that the collect
+      polls with (``bridge.triton_mailbox.collect``).
 
     Raises:
-      ValueError: as for ``front_gemm``; a wrong mailbox, one of tp > 1, a batch over its capacity,
-        shapes that disagree with its config, or a ``plan_block`` that is not a power of two dividing
-        the latent shard (or comes with a vector ``config``).
+      ValueError: as for ``front_gemm``; mailbox arrays whose shapes disagree with ``valid`` and the
+        latent, a batch over the capacity, or a ``plan_block`` that is not a power of two dividing the
+        latent shard (or comes with a vector ``config``).
       NotImplementedError: as for ``front_gemm``.
 
     Cost: ``front_gemm``'s, its outputs' bytes written as mailbox words instead (``4 B E + 2 B L``);
     the words of the control and status, and no second kernel.
     """
-    cfg = mb.mailbox_config(mailbox)
-    _check(x, packed, split, valid, None)
-    mb.check_mailbox(mailbox, cfg, x.shape[0])
+    covers_publish(x, packed, split, valid, buffer, control, tickets, cfg, plan_block=plan_block)
     shard = packed.shape[0] - split
+    if (valid, shard) != (cfg.experts, cfg.latent):
+        raise ValueError(
+            f"the GEMM's valid={valid} router rows and {shard} latent rows must be the mailbox's "
+            f"experts={cfg.experts} and latent={cfg.latent}"
+        )
+    expected = {"buffer": (buffer, 3, mb.row_words(cfg), jnp.uint32),
+                "control": (control, 1, mb.CONTROL_WORDS, jnp.int32),
+                "tickets": (tickets, 1, ticket_count(valid, shard), jnp.int32)}
+    for name, (array, ndim, last, dtype) in expected.items():
+        shape = tuple(getattr(array, "shape", ()))
+        if len(shape) != ndim or shape[-1] != last or getattr(array, "dtype", None) != dtype:
+            raise ValueError(f"{name} is {shape} {getattr(array, 'dtype', None)}, expected "
+                             f"{'(G, capacity, ' if ndim == 3 else '('}{last}) {jnp.dtype(dtype)}")
+    if buffer.shape[1] < x.shape[0]:
+        raise ValueError(f"batch of {x.shape[0]} rows is over the mailbox capacity {buffer.shape[1]}")
     if plan_block is not None:
         if (not isinstance(plan_block, int) or isinstance(plan_block, bool) or plan_block < 1
                 or plan_block & (plan_block - 1) or plan_block > 256 or shard % plan_block):
@@ -722,18 +757,15 @@ def front_gemm_publish(
         if config is not None and config.vector:
             raise ValueError(f"plan_block asks for front_gemm_plan's schedule, a tensor-core one, "
                              f"but config is the vector schedule {config}")
-    if cfg.tp != 1:
-        raise ValueError(f"front_gemm_publish publishes one device's rows (tp=1), got a mailbox for "
-                         f"tp={cfg.tp}")
-    if (valid, shard) != (cfg.experts, cfg.latent):
-        raise ValueError(
-            f"the GEMM's valid={valid} router rows and {shard} latent rows must be the mailbox's "
-            f"experts={cfg.experts} and latent={cfg.latent}"
-        )
-    if plan_block is not None:
         config = _resolve(config, valid, shard, x.shape[1], x.shape[0], plan_block)
     buffer, control, status, *workspace = _call(x, packed, split, valid, None, interpret, config,
-                                                mailbox)
-    tickets = workspace[-1] if workspace else mailbox.tickets  # the counters, zeroed again
-    box = dataclasses.replace(mailbox, buffer=buffer, control=control, tickets=tickets)
-    return box, status.reshape(())
+                                                (buffer, control, tickets))
+    tickets = workspace[-1] if workspace else tickets  # the counters, zeroed again
+    return buffer, control, tickets, status.reshape(())
+
+
+def ticket_count(valid: int, shard: int) -> int:
+    """Tile counters ``front_gemm_publish`` takes: one per tile of the narrowest tensor-core
+    schedule over a rank's rows (``MIN_DOT`` rows a tile, router and latent rows tiled apart), so
+    enough for any schedule: 280 for Kimi-K3 at tp = 1."""
+    return -(-valid // MIN_DOT) + -(-shard // MIN_DOT)

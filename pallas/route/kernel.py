@@ -94,7 +94,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_front_jax import reference
 from moe_front_jax.config import FrontConfig
-from moe_front_jax.pallas.streaming import table_kinds
+from moe_front_jax.pallas.device import table_kinds
 
 MAX_LANES = 4096
 """Widest padded row a program holds in registers (E up to 4096 experts)."""
@@ -175,7 +175,7 @@ def heuristic_config(batch: int, experts: int, top_k: int) -> RouteConfig:
 
 def pick_config(batch: int, experts: int, top_k: int) -> RouteConfig:
     """The device's table entry for this shape (its own table's, else the one it borrows,
-    ``streaming.TABLES_OF``), else ``heuristic_config``."""
+    ``device.TABLES_OF``), else ``heuristic_config``."""
     for kind in table_kinds():
         for limit, config in TABLES.get(kind, {}).get((experts, top_k), []):
             if batch <= limit:
@@ -463,6 +463,12 @@ def _check(logits, bias, cfg) -> None:
             f"the routing kernel holds up to {MAX_LANES} experts a row, got experts={cfg.experts}; use "
             "backend='xla'"
         )
+
+
+def covers(logits, bias, cfg) -> None:
+    """Raise ``NotImplementedError`` where the kernel does not cover these arguments (more than
+    ``MAX_LANES`` experts), ``ValueError`` where they are wrong."""
+    _check(logits, bias, cfg)
 
 
 def route(

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_front_jax import reference
-from moe_front_jax.pallas.streaming import core_count
+from moe_front_jax.pallas.device import core_count
 
 MAX_WIDTH = 512
 """Widest segment, in elements: K3's tp1 latent (3584 = 7 * 512) is 7 segments a row."""
@@ -207,6 +207,11 @@ def _check(latent, block) -> None:
         raise ValueError(f"block must be a power of two >= 1, got {block!r}")
     if shape[1] % block:
         raise ValueError(f"latent's width L={shape[1]} must be a multiple of block={block}")
+
+
+def covers(latent, block) -> None:
+    """Raise ``ValueError`` where the arguments are wrong; the kernel covers every valid request."""
+    _check(latent, block)
 
 
 def plan(

@@ -1,0 +1,164 @@
+"""The one place that decides which implementation runs each stage of the front.
+
+Every stage declares its reference (``moe_front_jax.reference``), its kernel and when ``"auto"``
+prefers the kernel; every implementation of a stage takes the same arguments. The backends:
+``"xla"`` runs the reference; ``"pallas"`` the kernel (a GPU is needed); ``"interpret"`` the kernel in
+Pallas' interpret mode on any machine (the mailbox's jax-triton kernels have no such mode: there it
+runs the reference); ``"auto"`` the kernel on a GPU where the stage's ``auto`` rule prefers it, else
+the reference. As in tokamax, a kernel raises ``NotImplementedError`` for a valid request it does not
+cover (``B > 256``, more experts than its lanes, a mailbox of tp > 1, ...): ``"auto"`` then falls
+through to the reference, ``"pallas"`` and ``"interpret"`` pass the error on. ``ValueError`` is for
+bad input only. Decisions are made when a call is traced, from static shapes, at no run-time cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+
+BACKENDS = ("auto", "xla", "pallas", "interpret")
+ALWAYS, NEVER = "always", "never"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage: ``"module:function"`` paths, imported when first asked for.
+
+    Attributes:
+      reference: the plain-JAX implementation.
+      kernel: the kernel, taking the reference's arguments and a keyword ``interpret``; it raises
+        ``NotImplementedError`` for a valid request it does not cover.
+      auto: where ``"auto"`` prefers the kernel on a GPU: ``ALWAYS``, ``NEVER``, or a predicate over
+        the stage's arguments (a device's measured table, ``pallas/tuning/<device>/auto.json``).
+      interprets: whether the kernel has Pallas' interpret mode (``"interpret"`` runs it there).
+      covers: optional predicate over the arguments that raises ``NotImplementedError`` where the
+        kernel does not cover them, without running it (so a caller can choose a path first).
+    """
+
+    reference: str
+    kernel: str
+    auto: str = ALWAYS
+    interprets: bool = True
+    covers: str | None = None
+
+
+_P = "moe_front_jax.pallas"
+_R = "moe_front_jax.reference"
+STAGES: dict[str, Stage] = {
+    "front_gemm": Stage(f"{_R}.gemm:front_gemm", f"{_P}.front_gemm:front_gemm",
+                        auto=f"{_P}.front_gemm:auto_prefers_kernel",
+                        covers=f"{_P}.front_gemm:covers"),
+    # The plan from the GEMM's epilogue was never timed against XLA's GEMM followed by the plan
+    # kernel as one, so "auto" runs the plain GEMM and the plan stage.
+    "front_gemm_plan": Stage(f"{_R}.gemm:front_gemm_plan", f"{_P}.front_gemm:front_gemm_plan",
+                             auto=NEVER, covers=f"{_P}.front_gemm:covers"),
+    "route": Stage(f"{_R}.routing:route", f"{_P}.route:route", covers=f"{_P}.route:covers"),
+    "plan": Stage(f"{_R}.plan:mxfp8_plan", f"{_P}.plan:plan", covers=f"{_P}.plan:covers"),
+    "shared_expert": Stage(f"{_R}.shared:shared_expert", f"{_P}.shared_expert:shared_expert",
+                           auto=f"{_P}.shared_expert:auto_prefers_kernel",
+                           covers=f"{_P}.shared_expert:covers"),
+    # The mailbox (SPEC section 7): publish, collect, the front GEMM publishing from its epilogue,
+    # and the routing kernel that polls the mailbox itself (collect, route and plan in one launch).
+    "mailbox_publish": Stage(f"{_R}.mailbox:publish", "moe_front_jax.bridge.triton_mailbox:publish",
+                             interprets=False, covers="moe_front_jax.bridge.triton_mailbox:covers"),
+    "mailbox_collect": Stage(f"{_R}.mailbox:collect", "moe_front_jax.bridge.triton_mailbox:collect",
+                             interprets=False),
+    "front_gemm_publish": Stage(f"{_R}.mailbox:gemm_publish", f"{_P}.front_gemm:front_gemm_publish",
+                                auto=f"{_P}.front_gemm:auto_prefers_publish",
+                                covers=f"{_P}.front_gemm:covers_publish"),
+    "route_collect": Stage(f"{_R}.mailbox:collect_route_plan", f"{_P}.route_collect:route_collect",
+                           covers=f"{_P}.route_collect:covers"),
+}
+
+
+class Choice(NamedTuple):
+    """What runs a stage: ``run`` takes the stage's arguments; ``kernel`` says whether it is the
+    kernel (in interpret mode or not) rather than the reference."""
+
+    run: Callable
+    kernel: bool
+
+
+def check_backend(backend: str) -> str:
+    """Validate ``backend``; returns it.
+
+    Raises:
+      ValueError: an unknown backend, or ``"pallas"`` where the target is not a GPU.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "pallas" and not on_gpu():
+        raise ValueError(
+            f"backend='pallas' runs the Pallas kernels on an NVIDIA GPU, but JAX's platform is "
+            f"{target_platform()!r}: use backend='interpret' for the same kernels in interpret mode, "
+            "or 'xla' / 'auto' for the reference"
+        )
+    return backend
+
+
+def target_platform() -> str:
+    """The platform being compiled for: the abstract mesh's (ahead-of-time lowering), else JAX's
+    default backend."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None and getattr(abstract, "platform", None):
+        return abstract.platform
+    return jax.default_backend()
+
+
+def on_gpu() -> bool:
+    """Whether the target is an NVIDIA GPU."""
+    return target_platform() in ("gpu", "cuda")
+
+
+def choose(name: str, backend: str, *args, **kwargs) -> Choice:
+    """What runs stage ``name`` under ``backend`` for these arguments (decided at trace time).
+
+    Raises:
+      ValueError: an unknown stage or backend.
+      NotImplementedError: ``"pallas"`` or ``"interpret"`` asked of arguments the kernel does not
+        cover (``"auto"`` falls through to the reference instead).
+    """
+    check_backend(backend)
+    if name not in STAGES:
+        raise ValueError(f"unknown stage {name!r}; stages are {tuple(STAGES)}")
+    stage = STAGES[name]
+    reference = Choice(_load(stage.reference), False)
+    if backend == "xla" or (backend == "interpret" and not stage.interprets):
+        return reference
+    if backend == "auto":
+        if not on_gpu() or stage.auto == NEVER:
+            return reference
+        if stage.auto != ALWAYS and not _load(stage.auto)(*args, **kwargs):
+            return reference
+        try:
+            _covers(stage, *args, **kwargs)
+        except NotImplementedError:
+            return reference
+    else:
+        _covers(stage, *args, **kwargs)
+    kernel = _load(stage.kernel)
+    if stage.interprets:
+        kernel = functools.partial(kernel, interpret=backend == "interpret")
+    return Choice(kernel, True)
+
+
+def run(name: str, backend: str, *args, **kwargs):
+    """Run stage ``name`` under ``backend``: ``choose(name, backend, *args, **kwargs).run(*args,
+    **kwargs)``."""
+    return choose(name, backend, *args, **kwargs).run(*args, **kwargs)
+
+
+def _covers(stage: Stage, *args, **kwargs) -> None:
+    if stage.covers is not None:
+        _load(stage.covers)(*args, **kwargs)
+
+
+@functools.cache
+def _load(target: str) -> Callable:
+    module, function = target.split(":")
+    return getattr(importlib.import_module(module), function)

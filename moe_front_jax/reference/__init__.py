@@ -1,0 +1,49 @@
+"""The plain-JAX reference of every stage of the MoE front, one module per SPEC section.
+
+Plain ``jax.numpy``/``lax``, exact to SPEC.md: the oracle every kernel is tested against and the
+backend ``"xla"`` (and ``"auto"`` off the GPU) runs. Each function works on one device's arrays;
+tensor parallelism (the exchange, the shared expert's reduction) lives in ``moe_front_jax.parallel``.
+
+| SPEC | module | functions |
+| --- | --- | --- |
+| 3 | ``gemm`` | ``front_gemm``, ``front_gemm_plan`` |
+| 4 | ``routing`` | ``route``, ``ordered_key``, ``tree_sum``, ``routing_weights`` |
+| 5 | ``plan`` | ``mxfp8_plan``, ``plan_scale_exponent``, ``e8m0_scale_down`` |
+| 6 | ``shared`` | ``shared_expert``, ``situ``, ``round_to_bfloat16`` |
+| 7 | ``mailbox`` | ``publish``, ``collect`` and the row layout |
+"""
+
+from moe_front_jax.reference import mailbox
+from moe_front_jax.reference.gemm import front_gemm, front_gemm_plan
+from moe_front_jax.reference.plan import (
+    E4M3_MAX,
+    e8m0_scale_down,
+    mxfp8_plan,
+    plan_scale_exponent,
+)
+from moe_front_jax.reference.routing import (
+    RENORM_EPSILON,
+    ordered_key,
+    route,
+    routing_weights,
+    tree_sum,
+)
+from moe_front_jax.reference.shared import round_to_bfloat16, shared_expert, situ
+
+__all__ = [
+    "E4M3_MAX",
+    "RENORM_EPSILON",
+    "e8m0_scale_down",
+    "front_gemm",
+    "front_gemm_plan",
+    "mailbox",
+    "mxfp8_plan",
+    "ordered_key",
+    "plan_scale_exponent",
+    "round_to_bfloat16",
+    "route",
+    "routing_weights",
+    "shared_expert",
+    "situ",
+    "tree_sum",
+]

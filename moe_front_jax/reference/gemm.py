@@ -1,0 +1,42 @@
+"""The front GEMM (SPEC section 3): one pass over the packed ``[router; zeros; latent]`` weight.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from moe_front_jax.reference.plan import mxfp8_plan
+
+
+def front_gemm(
+    x: jax.Array, packed: jax.Array, split: int, valid: int
+) -> tuple[jax.Array, jax.Array]:
+    """One pass over the packed ``[router rows; zero rows; latent rows]`` weight (SPEC section 3).
+
+    Args:
+      x: ``[B, H]`` bfloat16 decode rows.
+      packed: ``[n, H]`` bfloat16, ``n = split + shard``; rows ``[0, valid)`` are this rank's router
+        rows, ``[valid, split)`` zeros, ``[split, n)`` its latent down-projection rows.
+      split: first latent row of ``packed``.
+      valid: router rows of this rank (``experts / tp``).
+
+    Returns:
+      ``logits`` ``[B, valid]`` float32 and ``latent_shard`` ``[B, n - split]`` bfloat16, both from one
+      float32-accumulated product ``x @ packed.T``.
+    """
+    y = lax.dot_general(x, packed, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y[:, :valid], y[:, split:].astype(jnp.bfloat16)
+
+
+def front_gemm_plan(
+    x: jax.Array, packed: jax.Array, split: int, valid: int, block: int = 32
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
+    """``front_gemm`` and the MXFP8 plan of its latent shard (SPEC sections 3 and 5).
+
+    Returns:
+      ``(logits, latent_shard, mxfp8_plan(latent_shard, block))``.
+    """
+    logits, latent = front_gemm(x, packed, split, valid)
+    return logits, latent, mxfp8_plan(latent, block)

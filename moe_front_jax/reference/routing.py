@@ -1,0 +1,84 @@
+"""Routing (SPEC section 4): exact top-k of sigmoid(logits) + bias, ties to the lower id, NaN lowest,
+and the renormalized bfloat16 weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from moe_front_jax.config import FrontConfig
+
+
+RENORM_EPSILON = 1e-20
+"""Added to the weight sum before the division, so an all-zero selection gives zero weights."""
+
+
+def ordered_key(value: jax.Array) -> jax.Array:
+    """Monotone uint32 image of float32 ``value``; NaN maps to 0, below every number.
+
+    ``~bits`` where the sign bit is set, else ``bits | 0x80000000`` (SPEC section 4 step 2). Note that
+    ``-0.0`` orders just below ``+0.0``.
+    """
+    bits = lax.bitcast_convert_type(value.astype(jnp.float32), jnp.uint32)
+    negative = (bits & jnp.uint32(0x80000000)) != 0
+    key = jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+    return jnp.where(jnp.isnan(value), jnp.uint32(0), key)
+
+
+def tree_sum(values: jax.Array) -> jax.Array:
+    """Pairwise tree sum over the last axis, as a butterfly over lanes ``0..K-1`` adds.
+
+    ``((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7))...`` in float32; a K that is not a power of two is padded
+    with zeros up to the next one (the idle lanes of the butterfly).
+    """
+    k = values.shape[-1]
+    width = 1 << max(k - 1, 0).bit_length()
+    if width != k:
+        pad = [(0, 0)] * (values.ndim - 1) + [(0, width - k)]
+        values = jnp.pad(values, pad)
+    while values.shape[-1] > 1:
+        values = values[..., 0::2] + values[..., 1::2]
+    return values[..., 0]
+
+
+def routing_weights(chosen_scores: jax.Array, cfg: FrontConfig) -> jax.Array:
+    """bfloat16 weights from the chosen experts' unbiased sigmoids ``[B, K]`` (SPEC section 4 step 4).
+
+    NaN scores weigh 0 and stay out of the sum; with ``renormalize`` each weight is
+    ``bf16((w * scale) / (tree_sum(w) + 1e-20))`` in float32, else ``bf16(w * scale)``.
+    """
+    w = jnp.where(jnp.isnan(chosen_scores), jnp.float32(0), chosen_scores.astype(jnp.float32))
+    scaled = w * jnp.float32(cfg.routed_scaling_factor)
+    if cfg.renormalize:
+        total = tree_sum(w)[..., None] + jnp.float32(RENORM_EPSILON)
+        # XLA's simplifier turns a division by a broadcast into a multiplication by its reciprocal,
+        # which rounds differently from the correctly rounded division the SPEC asks for; the
+        # barrier keeps the full-shape denominator opaque to that rewrite.
+        denominator = lax.optimization_barrier(jnp.broadcast_to(total, scaled.shape))
+        scaled = scaled / denominator
+    return scaled.astype(jnp.bfloat16)
+
+
+def route(
+    logits: jax.Array, bias: jax.Array, cfg: FrontConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Exact top-k routing by sigmoid + correction bias (SPEC section 4).
+
+    Args:
+      logits: ``[B, E]`` float32 router logits (all experts, every rank's shard).
+      bias: ``[E]`` float32 ``e_score_correction_bias``.
+      cfg: supplies ``top_k``, ``routed_scaling_factor`` and ``renormalize``.
+
+    Returns:
+      ``ids`` ``[B, K]`` int32, rank 0 the largest key, ties to the lower expert id, NaN keys lowest;
+      ``weights`` ``[B, K]`` bfloat16 from the unbiased sigmoids.
+    """
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    keys = ordered_key(scores + bias.astype(jnp.float32))
+    # top_k breaks ties by the lower index; int32 (ordered ^ sign bit) keeps the order of uint32.
+    signed = lax.bitcast_convert_type(keys ^ jnp.uint32(0x80000000), jnp.int32)
+    _, ids = lax.top_k(signed, cfg.top_k)
+    chosen = jnp.take_along_axis(scores, ids, axis=-1)
+    return ids.astype(jnp.int32), routing_weights(chosen, cfg)

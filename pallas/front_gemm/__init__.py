@@ -1,0 +1,38 @@
+"""The front GEMM (SPEC section 3): router logits and the latent from one pass over the packed weight.
+
+``kernel`` holds the Pallas Triton kernels (the grid with split-K, stream-K and the vector
+schedule), their schedule lookup and the epilogues (plain, with the MXFP8 plan, or publishing into the
+mailbox).
+"""
+
+from moe_front_jax.pallas.front_gemm.kernel import (
+    FrontGemmConfig,
+    auto_prefers_kernel,
+    auto_prefers_publish,
+    covers,
+    covers_publish,
+    front_gemm,
+    front_gemm_plan,
+    front_gemm_publish,
+    heuristic_config,
+    load_table,
+    pick_config,
+    table_key,
+    ticket_count,
+)
+
+__all__ = [
+    "FrontGemmConfig",
+    "auto_prefers_kernel",
+    "auto_prefers_publish",
+    "covers",
+    "covers_publish",
+    "front_gemm",
+    "front_gemm_plan",
+    "front_gemm_publish",
+    "heuristic_config",
+    "load_table",
+    "pick_config",
+    "table_key",
+    "ticket_count",
+]
