@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec
 
 from moe_front_jax import dispatch
 from moe_front_jax import mailbox as mailboxes
@@ -34,13 +34,12 @@ from moe_front_jax.params import (
     BIAS,
     DEFAULT_SPLIT_ALIGN,
     DOWN,
-    GATE,
     GATE_UP,
-    ROUTED_DOWN,
     FrontParams,
     check_split_align,
     check_weights,
     padded_split,
+    rank_slices,
 )
 
 SHARED_REDUCES = ("psum", "psum_scatter")
@@ -82,13 +81,13 @@ def mesh_tp(cfg: FrontConfig, mesh: Mesh | AbstractMesh, axis: str) -> int:
     return tp
 
 
-def param_specs(axis: str) -> dict[str, P]:
+def param_specs(axis: str) -> dict[str, PartitionSpec]:
     """``PartitionSpec`` of each array of sharded ``FrontParams`` (and of ``mf.nn.MoEFront``'s Params)."""
     return {
-        "packed": P(axis, None),
-        "bias": P(),
-        "gate_up": P(axis, None),
-        "down": P(None, axis),
+        "packed": PartitionSpec(axis, None),
+        "bias": PartitionSpec(),
+        "gate_up": PartitionSpec(axis, None),
+        "down": PartitionSpec(None, axis),
     }
 
 
@@ -106,12 +105,12 @@ def shard_params(
     index ``r`` of ``axis`` holds that block (over the mesh's other axes the weights are replicated):
 
     - ``packed`` ``[tp * (split + L/tp), H]`` bfloat16, rank blocks stacked along rows, sharded
-      ``P(axis, None)``;
+      ``PartitionSpec(axis, None)``;
     - ``bias`` ``[E]`` float32, replicated;
     - ``gate_up`` ``[2S, H]`` bfloat16, rank blocks ``[its S/tp gate rows; its S/tp up rows]`` stacked
-      along rows, ``P(axis, None)``;
+      along rows, ``PartitionSpec(axis, None)``;
     - ``down`` ``[H, S]`` bfloat16 (the checkpoint's own layout), split along columns,
-      ``P(None, axis)``.
+      ``PartitionSpec(None, axis)``.
 
     ``moe_front(x, params)`` then runs under ``jax.shard_map``; inside a caller's own ``shard_map``
     over the same mesh, pass ``jax.tree.map(lambda a: a.sharding.spec, params)`` as the params' in_specs and
@@ -141,20 +140,16 @@ def shard_params(
     cfg = cfg.with_tp(tp)
     check_weights(weights, cfg)
     split_align = check_split_align(split_align)
-    valid, shard, h = cfg.experts_per_rank, cfg.latent_per_rank, cfg.hidden
-    split = padded_split(valid, split_align)
-    router = jnp.asarray(weights[GATE]).reshape(tp, valid, h)
-    padding = jnp.zeros((tp, split - valid, h), jnp.bfloat16)
-    latent = jnp.asarray(weights[ROUTED_DOWN]).reshape(tp, shard, h)
+    split = padded_split(cfg.experts_per_rank, split_align)
+    blocks = [rank_slices(weights, cfg, rank, split) for rank in range(tp)]
     arrays = {
-        "packed": jnp.concatenate([router, padding, latent], axis=1).reshape(-1, h),
+        "packed": jnp.concatenate([packed for packed, _, _ in blocks]),
         "bias": jnp.asarray(weights[BIAS]),
         "gate_up": None,
         "down": None,
     }
     if GATE_UP in weights:
-        gate_up = jnp.asarray(weights[GATE_UP]).reshape(2, tp, cfg.shared_per_rank, h)
-        arrays["gate_up"] = gate_up.transpose(1, 0, 2, 3).reshape(-1, h)
+        arrays["gate_up"] = jnp.concatenate([gate_up for _, gate_up, _ in blocks])
         arrays["down"] = jnp.asarray(weights[DOWN])
     specs = param_specs(axis)
     placed = {
@@ -375,15 +370,15 @@ def sharded_front(
             f"{groups} groups: B must be divisible by {groups}"
         )
     batch = others or None
-    rows = P(batch, None)
+    rows = PartitionSpec(batch, None)
     explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit]
     if explicit:
         # shard_map takes x typed over Explicit axes only in its in_spec's sharding; over Auto axes
         # jit reshards x itself (and jax.reshard refuses them).
         split = tuple(name for name in others if name in explicit) or None
-        x = jax.reshard(x, NamedSharding(mesh, P(split, None)))
+        x = jax.reshard(x, NamedSharding(mesh, PartitionSpec(split, None)))
     specs = param_specs(axis)
-    shared_spec = P(batch, axis) if shared_reduce == "psum_scatter" else rows
+    shared_spec = PartitionSpec(batch, axis) if shared_reduce == "psum_scatter" else rows
 
     def body(x, packed, bias, gate_up, down):
         local = FrontParams(packed, bias, gate_up, down, cfg, params.split)
@@ -396,7 +391,7 @@ def sharded_front(
         body,
         mesh=mesh,
         in_specs=(rows, specs["packed"], specs["bias"], specs["gate_up"], specs["down"]),
-        out_specs=(rows, rows, rows, rows, shared_spec, rows, P()),
+        out_specs=(rows, rows, rows, rows, shared_spec, rows, PartitionSpec()),
         # A pallas_call's out_shape carries no varying-axes type, which check_vma=True requires.
         check_vma=not runs_kernels(params, x.shape[0] // groups, backend, plan),
     )

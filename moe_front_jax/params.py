@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -164,22 +164,41 @@ class FrontParams:
         return self.gate_up is not None
 
 
+def rank_rows(cfg: FrontConfig, rank: int, split: int) -> dict[str, tuple[tuple[str | None, int, int], ...]]:
+    """The packed layout, written once: for rank ``rank``'s ``packed`` and ``gate_up`` blocks, the
+    ``(weight key, first row, end row)`` pieces they stack, in order (key None: zero rows).
+
+    ``packed``: the rank's ``E/tp`` router rows, zero rows up to ``split``, its ``L/tp`` latent rows.
+    ``gate_up``: the rank's ``S/tp`` gate rows, then its ``S/tp`` up rows. (``down`` is split by
+    columns, ``[:, rank * S/tp:(rank + 1) * S/tp]``.)
+    """
+    valid, shard, s_r = cfg.experts_per_rank, cfg.latent_per_rank, cfg.shared_per_rank
+    return {
+        "packed": ((GATE, rank * valid, (rank + 1) * valid), (None, 0, split - valid),
+                   (ROUTED_DOWN, rank * shard, (rank + 1) * shard)),
+        "gate_up": ((GATE_UP, rank * s_r, (rank + 1) * s_r),
+                    (GATE_UP, cfg.shared + rank * s_r, cfg.shared + (rank + 1) * s_r)),
+    }
+
+
+def stack_rows(pieces, read: Callable, zeros: Callable) -> list:
+    """The blocks of ``rank_rows`` pieces, to concatenate: ``read(key, first, end)`` for a weight's
+    rows, ``zeros(count)`` for zero rows."""
+    return [zeros(end - first) if key is None else read(key, first, end) for key, first, end in pieces]
+
+
 def rank_slices(weights: Mapping[str, jax.Array], cfg: FrontConfig, rank: int, split: int):
     """``(packed, gate_up, down)`` of ``rank``, sliced from the unsharded weights."""
-    valid, shard = cfg.experts_per_rank, cfg.latent_per_rank
-    router = weights[GATE][rank * valid:(rank + 1) * valid]
-    latent = weights[ROUTED_DOWN][rank * shard:(rank + 1) * shard]
-    padding = jnp.zeros((split - valid, cfg.hidden), jnp.bfloat16)
-    packed = jnp.concatenate([router, padding, latent], axis=0)
+    rows = rank_rows(cfg, rank, split)
+
+    def stack(name):
+        return jnp.concatenate(stack_rows(rows[name], lambda key, lo, hi: jnp.asarray(weights[key][lo:hi]),
+                                          lambda n: jnp.zeros((n, cfg.hidden), jnp.bfloat16)))
+
     if GATE_UP not in weights:
-        return packed, None, None
-    s, s_r = cfg.shared, cfg.shared_per_rank
-    gate_up = weights[GATE_UP]
-    gate_up = jnp.concatenate(
-        [gate_up[rank * s_r:(rank + 1) * s_r], gate_up[s + rank * s_r:s + (rank + 1) * s_r]], axis=0
-    )
-    down = weights[DOWN][:, rank * s_r:(rank + 1) * s_r]
-    return packed, gate_up, down
+        return stack("packed"), None, None
+    s_r = cfg.shared_per_rank
+    return stack("packed"), stack("gate_up"), weights[DOWN][:, rank * s_r:(rank + 1) * s_r]
 
 
 def pack_params(

@@ -1,0 +1,145 @@
+"""The package's import graph: no cycles, and dependencies that point one way.
+
+Layers, top to bottom: the API (``api``, ``parallel``, ``nn``, ``checkpoint``, ``mailbox``), the
+dispatcher (``dispatch``), the kernels (``pallas``, ``bridge``), the base (``config``, ``params``,
+``reference``). An edge is any import of a module of the package: a statement at the top of a module
+or inside a function, a ``"module:function"`` or module-path string (what ``dispatch.STAGES`` and
+the lazy ``moe_front_jax.__init__`` import by ``importlib``).
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Repository folder -> installed package (pyproject.toml's package-dir).
+FOLDERS = {"moe_front_jax": "moe_front_jax", "pallas": "moe_front_jax.pallas",
+           "bridge": "moe_front_jax.bridge"}
+MODULE_STRING = re.compile(r"^(moe_front_jax(?:\.\w+)+)(?::\w+)?$")
+KERNELS = ("moe_front_jax.pallas", "moe_front_jax.bridge")
+BASE = ("moe_front_jax.config", "moe_front_jax.reference")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((package, *parts))] = path
+    return found
+
+
+def resolve(name: str, known: dict[str, Path]) -> str | None:
+    """The package module ``name`` refers to: itself, or the module that defines it (an attribute of
+    a package's ``__init__``)."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def edges(known: dict[str, Path]) -> dict[str, set[str]]:
+    graph = {name: set() for name in known}
+    for name, path in known.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                    + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                match = MODULE_STRING.match(node.value)
+                targets = [match.group(1)] if match else []
+            for target in targets:
+                module = resolve(target, known)
+                if module is not None and module != name:
+                    graph[name].add(module)
+    return graph
+
+
+def runtime_strings() -> dict[str, set[str]]:
+    """The importlib targets built at run time: ``dispatch.STAGES`` and the lazy public names."""
+    import moe_front_jax
+    from moe_front_jax import dispatch
+
+    targets = {"moe_front_jax.dispatch": set(), "moe_front_jax": set()}
+    for stage in dispatch.STAGES.values():
+        for value in (stage.reference, stage.kernel, stage.auto, stage.covers):
+            if value and ":" in value:
+                targets["moe_front_jax.dispatch"].add(value.split(":")[0])
+    for name, module in moe_front_jax._PUBLIC.items():
+        targets["moe_front_jax"].add(module or f"moe_front_jax.{name}")
+    return targets
+
+
+@pytest.fixture(scope="module")
+def graph():
+    known = modules()
+    graph = edges(known)
+    for source, targets in runtime_strings().items():
+        for target in targets:
+            assert resolve(target, known) == target, f"{source} names {target}, not a module"
+            graph[source].add(target)
+    return graph
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path, or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_walk_sees_every_kind_of_edge(graph):
+    # A static import, an import inside a function, and dispatch's importlib strings.
+    assert "moe_front_jax.dispatch" in graph["moe_front_jax.api"]
+    assert "moe_front_jax.bridge.peer_mailbox" in graph["moe_front_jax.mailbox"]
+    assert "moe_front_jax.pallas.route" in graph["moe_front_jax.dispatch"]
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle(graph):
+    assert cycle(graph) is None, " -> ".join(cycle(graph))
+
+
+def test_kernels_import_only_kernels_and_the_base(graph):
+    wrong = {
+        (source, target)
+        for source, targets in graph.items() if source.startswith(KERNELS)
+        for target in targets if not target.startswith(KERNELS + BASE)
+    }
+    assert not wrong, f"kernels importing the API, the dispatcher or the mailbox state: {sorted(wrong)}"
+
+
+def test_the_base_imports_only_the_base(graph):
+    base = BASE + ("moe_front_jax.params",)
+    wrong = {
+        (source, target)
+        for source, targets in graph.items() if source.startswith(base)
+        for target in targets if not target.startswith(base)
+    }
+    assert not wrong, sorted(wrong)
