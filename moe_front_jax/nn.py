@@ -1,42 +1,24 @@
 """The MoE front as a Flax NNX module: ``mf.nn.MoEFront``.
 
-The module holds its weights as ``nnx.Param`` in the layout ``mf.moe_front`` reads: the arrays of
-``FrontParams``, as ``mf.pack_params`` builds them on one device and ``mf.shard_params`` (or
-``mf.load_params``) on a mesh. A call wraps the Params into ``FrontParams`` and calls ``mf.moe_front``
-(under ``jax.shard_map`` with a mesh): no weight is packed, padded or copied per decode step, and the
-packed Param is what the front GEMM reads. With ``tp`` ranks along the mesh axis (1 without a mesh)
-and ``split`` the ``E/tp`` router rows rounded up to 16 (``FrontParams.split``), the Params are:
+The module holds its weights as ``nnx.Param`` in the layout ``mf.moe_front`` reads (the arrays of
+``FrontParams``, packed once when built or loaded), so a call packs, pads or copies nothing. With
+``tp`` ranks along the mesh axis (1 without a mesh) and ``split`` the ``E/tp`` router rows rounded up
+to 16, the Params and their ``out_sharding`` annotations (``parallel.param_specs``) are:
 
-- ``packed`` ``[tp * (split + L/tp), H]`` bfloat16, annotated ``(axis, None)``: checkpoint keys
-  ``gate.weight`` and ``routed_down_weight``. Rank-major: rank ``r``'s block of ``split + L/tp`` rows
-  is its ``E/tp`` router rows, zero rows up to ``split``, then its ``L/tp`` latent rows (SPEC.md
-  section 3).
-- ``bias`` ``[E]`` float32, annotated ``()`` (whole on every rank, which routes all experts):
-  ``gate.e_score_correction_bias``.
-- ``gate_up`` ``[2S, H]`` bfloat16, annotated ``(axis, None)``: ``shared_experts.gate_up_proj.weight``.
-  Rank-major: rank ``r``'s block of ``2S/tp`` rows is its ``S/tp`` gate rows, then its ``S/tp`` up rows
-  (at ``tp=1`` the checkpoint's own layout).
-- ``down`` ``[H, S]`` bfloat16, annotated ``(None, axis)``: ``shared_experts.down_proj.weight`` as is.
+- ``packed`` ``[tp * (split + L/tp), H]`` bf16, ``(axis, None)``: ``gate.weight`` and
+  ``routed_down_weight``, rank-major in ``params.rank_rows``' layout (SPEC.md section 3);
+- ``bias`` ``[E]`` float32, ``()``: ``gate.e_score_correction_bias``, whole on every rank;
+- ``gate_up`` ``[2S, H]`` bf16, ``(axis, None)``: each rank's ``S/tp`` gate rows then its up rows;
+- ``down`` ``[H, S]`` bf16, ``(None, axis)``: ``shared_experts.down_proj.weight`` as is.
 
-``gate_up`` and ``down`` are None without a shared expert. An annotation is the ``out_sharding``
-metadata ``nnx.get_partition_spec`` turns into a ``PartitionSpec`` (``parallel.param_specs``'). The
-checkpoint's weights come back, unpacked, from ``front.weights()``.
-
-Under ``nnx.jit`` pass ``graph_updates=False`` (a call updates no Variable) or donate the module:
-graph-mode ``nnx.jit`` returns every Variable of its arguments, and XLA copies each Param that is not
-donated into a fresh buffer at every call.
+``gate_up`` and ``down`` are None without a shared expert; ``front.weights()`` gives the checkpoint's
+weights back, unpacked. Under ``nnx.jit`` pass ``graph_updates=False`` (a call updates no Variable)
+or donate the module: otherwise XLA copies every Param into a fresh buffer at every call.
 
 Example::
 
-  import jax, jax.numpy as jnp
-  from flax import nnx
-  import moe_front_jax as mf
-
   front = mf.nn.MoEFront(mf.KIMI_K3, rngs=nnx.Rngs(0))
-  out = nnx.jit(lambda m, x: m(x), graph_updates=False)(front, x)   # x: [B, 7168] bf16 -> FrontOutput
-
-  mesh = jax.make_mesh((8,), ("tp",))
-  front = mf.nn.MoEFront.from_checkpoint("/ckpt", mf.KIMI_K3, "model.layers.3.mlp.", mesh=mesh)
+  out = nnx.jit(lambda m, x: m(x), graph_updates=False)(front, x)   # x: [B, 7168] bf16
 """
 
 from __future__ import annotations
@@ -49,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from moe_front_jax import checkpoint, parallel
-from moe_front_jax import params as P
+from moe_front_jax import params as packing
 from moe_front_jax.api import FrontOutput, moe_front
 from moe_front_jax.dispatch import check_backend
 from moe_front_jax.config import FrontConfig
@@ -125,14 +107,14 @@ class MoEFront(nnx.Module):
         if (rngs is None) == (weights is None):
             raise ValueError("give exactly one of rngs= (fresh weights) and weights= (given weights)")
         if weights is None:
-            weights = P.init_weights(rngs.params(), cfg, shared=shared)
+            weights = packing.init_weights(rngs.params(), cfg, shared=shared)
         elif shared is not None:
             raise ValueError(
                 f"shared={shared} applies to rngs=; with weights=, the shared expert is there "
                 "exactly when its keys are"
             )
         if mesh is None:
-            params = P.pack_params(weights, cfg)
+            params = packing.pack_params(weights, cfg)
         else:
             params = parallel.shard_params(weights, cfg, mesh, axis)
         self.cfg = params.cfg
@@ -197,7 +179,7 @@ class MoEFront(nnx.Module):
         Unpacking copies every weight: for checkpoints and checks, not for a decode step. With a mesh
         the arrays stay sharded over ``axis``.
         """
-        return P.unpack_params(self.front_params())
+        return packing.unpack_params(self.front_params())
 
     def __call__(self, x: jax.Array, *, plan: bool = False) -> FrontOutput:
         """The front of one decode step.
