@@ -25,8 +25,7 @@ import time
 
 from moe_front_jax.pallas import front_gemm as fg
 from moe_front_jax.pallas import shared_expert as se
-from front_gemm_timing import Shape
-from shared_expert_timing import Shape as SharedShape
+from timing import FrontShape, SharedShape
 
 MARGIN = 1.05
 """The kernel must be this much faster than XLA in every run (the H200's run-to-run noise on one
@@ -37,7 +36,7 @@ def front_times(path: str) -> dict[str, tuple[float, float]]:
     """``table key -> (kernel us, XLA reference stage us)`` of one ``bench_front_gemm.py`` run."""
     out = {}
     for row in json.load(open(path))["gemm"]:
-        s = Shape.k3(row["tp"])
+        s = FrontShape.k3(row["tp"])
         out[fg.table_key(s.valid, s.shard, s.hidden, row["batch"])] = (row["us"], row["xla_stage_us"])
     return out
 

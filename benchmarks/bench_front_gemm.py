@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import moe_front_jax as mf
 from moe_front_jax import backends, reference
 from moe_front_jax.pallas import front_gemm as fg
-from front_gemm_timing import (
-    READ_CEILING_TBS, Shape, cupti_us_per_call, decode_rows, packed_weights, tbs, xla_dot,
+from timing import (
+    READ_CEILING_TBS, FrontShape, cupti_us_per_call, decode_rows, packed_weights, tbs, xla_dot,
 )
 
 
@@ -35,7 +35,7 @@ FLOORS = {"front_gemm": {"bandwidth_gbs": READ_CEILING_TBS * 1e3,
                          "label": f"weight read at {READ_CEILING_TBS} TB/s"}}
 
 
-def plot_rows(rows: list[dict], shapes: dict[int, Shape]) -> list[dict]:
+def plot_rows(rows: list[dict], shapes: dict[int, FrontShape]) -> list[dict]:
     """The kernel and XLA's ``dot_general`` per (tp, B) in plot.py's format."""
     return [
         dict(stage="front_gemm", backend=backend, tp=r["tp"], batch=r["batch"], time_us=r[key],
@@ -53,7 +53,7 @@ def main() -> None:
     device = jax.devices()[0]
     print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)
     tps, batches = list(map(int, args.tps.split(","))), list(map(int, args.batches.split(",")))
-    shapes = {tp: Shape.k3(tp) for tp in tps}
+    shapes = {tp: FrontShape.k3(tp) for tp in tps}
     weights = {tp: packed_weights(shape) for tp, shape in shapes.items()}
     xs = {batch: decode_rows(batch, 7168) for batch in batches}
     variants = {
@@ -86,7 +86,7 @@ def main() -> None:
 
     # The whole front at tp1: GEMM + routing (the routing kernel where one is registered).
     cfg = mf.KIMI_K3
-    shape = Shape.k3(1)
+    shape = FrontShape.k3(1)
     weights = weights.get(1) or packed_weights(shape)
     bias = jax.random.uniform(jax.random.key(3), (cfg.experts,), jnp.float32, -0.05, 0.05)
     route = backends.stage("route", "auto")

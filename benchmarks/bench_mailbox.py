@@ -4,7 +4,7 @@ Target: the mailbox adds at most 2 us per call at B <= 64 on the H200. For each 
 the script times, with CUPTI (summed kernel time per call), in one process:
 
 - ``direct``: ``jax.jit(moe_front)(x, params)`` on ``"auto"`` (the front GEMM where the auto table
-  puts it: until the sixth session's table, always XLA's; then the routing kernel);
+  puts it: XLA's before c1dd978 (2026-12-03); then the routing kernel);
 - ``mailbox``: ``jax.jit(moe_front, donate_argnames="mailbox")(x, params, mailbox=box)``, the box
   threaded from call to call as a decode loop does;
 - ``separate`` and ``fused``: the mailbox path composed by hand, XLA's GEMM and the publish kernel,
@@ -38,8 +38,7 @@ of two up to the GPU count, at B in {1, 8, 64}, with shards of Kimi-K3 sizes, on
 Times are CUPTI's summed kernel time per call divided by tp (the mean device time of one call, waits
 for peers included).
 
-Run on the lent GPU (see HELPERS.md):
-  cd .stage/mailbox && WHEELS=$PWD/../../.whl source benchmarks/gpu_env.sh &&
+Run on the GPU (after ``source benchmarks/gpu_env.sh`` at the repository root):
   python3 benchmarks/bench_mailbox.py --out $OUT [--variants | --transports]
 """
 

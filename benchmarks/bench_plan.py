@@ -26,12 +26,12 @@ import jax.numpy as jnp
 import moe_front_jax as mf
 from moe_front_jax import reference
 from moe_front_jax.pallas import plan as pp
-from front_gemm_timing import cupti_us_per_call
+from timing import cupti_us_per_call
 
 COPIES = 16
 """Latent copies rotated through (each call reads a latent no earlier call just read)."""
 COPY_CEILING_TBS = 3.36
-"""Measured HBM copy bandwidth of the H200, read and write counted (GPU.md): the plan's floor."""
+"""Measured HBM copy bandwidth of the H200 (2026-12-02), read and write counted: the plan's floor."""
 TPS = (1, 8)
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import moe_front_jax as mf
 from moe_front_jax import reference
 from moe_front_jax.pallas import route as rt
-from front_gemm_timing import READ_CEILING_TBS, cupti_us_per_call
+from timing import READ_CEILING_TBS, cupti_us_per_call
 
 COPIES = 16
 """Logits copies rotated through (each call reads logits no earlier call just wrote or read)."""

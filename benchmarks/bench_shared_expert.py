@@ -6,7 +6,7 @@ For tp in {1, 8} and B in {1, 2, 4, 8, 16, 32, 64}: the two kernels (gate/up wit
 table's schedules, or --table's) and the XLA reference stage (``reference.shared_expert``: dot, slice,
 casts, situ, dot), each in the dtype ``moe_front`` asks for (bfloat16 at tp1, the float32 partial sum
 under tp); effective TB/s over the weight bytes (gate_up + down), the floor at the measured read
-ceiling, and the ratio XLA / kernel. With ``--spans``, each call's span too (``call_spans``: its
+ceiling, and the ratio XLA / kernel. With ``--spans``, each call's span too (``timing.span``: its
 first kernel's start to its last kernel's end in a profiler trace of 8 calls in sequence, the gaps
 between its kernels included, which CUPTI's sums leave out). The table prints last; the results go
 to $OUT/bench_shared_expert.json in benchmarks/README.md's format (stage "shared_expert").
@@ -23,32 +23,31 @@ import time
 import jax
 import jax.numpy as jnp
 
-import call_spans
+import timing
 from moe_front_jax import reference
 from moe_front_jax.pallas import shared_expert as se
-from front_gemm_timing import READ_CEILING_TBS, cupti_us_per_call, tbs
-from shared_expert_timing import Shape, random_copies, rows
+from timing import READ_CEILING_TBS, SharedShape, cupti_us_per_call, random_copies, rows, tbs
 
 
-def chain_operands(shape: Shape, batch: int) -> tuple[list, list]:
-    """``call_spans.CHAIN`` distinct rows ``x`` and ``(gate_up, down)`` pairs for a span's
+def chain_operands(shape: SharedShape, batch: int) -> tuple[list, list]:
+    """``timing.CHAIN`` distinct rows ``x`` and ``(gate_up, down)`` pairs for a span's
     program (distinct, so that XLA merges no dots across its calls)."""
-    nbytes = call_spans.CHAIN * shape.weight_bytes
+    nbytes = timing.CHAIN * shape.weight_bytes
     pairs = list(zip(
         random_copies((2 * shape.shared, shape.hidden), shape.hidden, nbytes, seed=shape.tp),
         random_copies((shape.hidden, shape.shared), shape.shared, nbytes, seed=100 + shape.tp),
-    ))[:call_spans.CHAIN]
-    return [rows(batch, shape.hidden, seed=i) for i in range(call_spans.CHAIN)], pairs
+    ))[:timing.CHAIN]
+    return [rows(batch, shape.hidden, seed=i) for i in range(timing.CHAIN)], pairs
 
 
 def spans(row: dict, fns: dict, operands: tuple[list, list]) -> None:
-    """``row[backend + "_span_us"]``, ``call_spans.span``'s median call span of ``fns[backend]``
+    """``row[backend + "_span_us"]``, ``timing.span``'s median call span of ``fns[backend]``
     over ``operands`` (``chain_operands``), and the traced programs' kernels
     (``row[backend + "_timeline"]``), for each backend; a trace that does not split into calls is
     ``row[backend + "_span_error"]``."""
     for backend, fn in fns.items():
         timed = dict(kernels=row[backend + "_kernels"])
-        call_spans.span(timed, call_spans.chain_program(fn, *operands))
+        timing.span(timed, timing.chain_program(fn, *operands))
         for key in ("call_span_us", "span_error", "timeline"):
             if key in timed:
                 row[f"{backend}_{key.removeprefix('call_')}"] = timed[key]
@@ -67,7 +66,7 @@ def main() -> None:
     device = jax.devices()[0]
     print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)
     tps, batches = list(map(int, args.tps.split(","))), list(map(int, args.batches.split(",")))
-    shapes = {tp: Shape.k3(tp) for tp in tps}
+    shapes = {tp: SharedShape.k3(tp) for tp in tps}
     table = {}
     if args.table and not os.path.exists(args.table):
         print(f"no table at {args.table}: the package's table or the heuristic", flush=True)

@@ -1,6 +1,6 @@
-# Every GPU check and benchmark of the project in one run on the lent H200, from the repository root:
+# Every GPU check and benchmark of the project in one run on a GPU, from the repository root:
 #
-#   bash benchmarks/run_all.sh          # with $OUT set by the device tool; carry [".whl"]
+#   OUT=/tmp/out bash benchmarks/run_all.sh     # BENCHES="route plan" to run some benchmarks only
 #
 # Installs the checkout (gpu_env.sh), runs the GPU-marked tests, the main job with the Pallas
 # kernels, then each stage's benchmark beside XLA, and draws front.png from their results. Each step's
@@ -35,9 +35,7 @@ done
 # The stages timed against XLA (the mailbox has no XLA counterpart on one GPU: its table says what it adds).
 # Where "auto" would run the GEMM kernels by this run alone (the shipped table needs every run it names).
 step auto_table python3 benchmarks/auto_table.py --front "$OUT/bench_front_gemm.json" \
-  --shared "$OUT/bench_shared_expert.json" --out "$OUT/h200_auto.json"
-# What one kernel reads of each of these weights at best (XLA's plainest reads), the front GEMM beside.
-step read_by_size python3 benchmarks/read_by_size.py --out "$OUT"
+  --shared "$OUT/bench_shared_expert.json" --out "$OUT/auto.json"
 plotted=$(for b in route front_gemm shared_expert plan; do [ -f "$OUT/bench_$b.json" ] && echo "$OUT/bench_$b.json"; done)
 step plot python3 benchmarks/plot.py $plotted -o "$OUT/front.png" --table
 
@@ -45,6 +43,5 @@ for log in gpu_tests decode; do echo; echo "== $log (tail)"; tail -n 12 "$OUT/$l
 for bench in ${BENCHES:-route front_gemm shared_expert plan mailbox} ; do
   echo; echo "== bench_$bench (table)"; sed -n '/^$/,$p' "$OUT/bench_$bench.log" | tail -n 45
 done
-echo; echo "== read_by_size (table)"; sed -n '/^$/,$p' "$OUT/read_by_size.log"
 echo; echo "== plot"; cat "$OUT/plot.log"
 exit $failed

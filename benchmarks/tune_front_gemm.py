@@ -30,8 +30,8 @@ import numpy as np
 
 from moe_front_jax import reference
 from moe_front_jax.pallas import front_gemm as fg
-from front_gemm_timing import (
-    Shape,
+from timing import (
+    FrontShape,
     contract_errors,
     cupti_us_per_call,
     decode_rows,
@@ -50,7 +50,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(shape: Shape, bp: int, cores: int = 132) -> list[fg.FrontGemmConfig]:
+def candidates(shape: FrontShape, bp: int, cores: int = 132) -> list[fg.FrontGemmConfig]:
     """The schedules worth timing for one shape and padded batch.
 
     Rows per program 32, 64, 128 (and 16 for batch tiles up to 32); for each, the
@@ -91,9 +91,9 @@ def candidates(shape: Shape, bp: int, cores: int = 132) -> list[fg.FrontGemmConf
     return out
 
 
-def vector_candidates(shape: Shape, batch: int, cores: int = 132) -> list[fg.FrontGemmConfig]:
+def vector_candidates(shape: FrontShape, batch: int, cores: int = 132) -> list[fg.FrontGemmConfig]:
     """The vector schedules worth timing for a batch of at most ``fg.VECTOR_MAX_BATCH``
-    (``front_gemm_timing.vector_schedules``)."""
+    (``timing.vector_schedules``)."""
     def tiles(bn):
         return -(-shape.valid // bn) + -(-shape.shard // bn)
 
@@ -103,7 +103,7 @@ def vector_candidates(shape: Shape, batch: int, cores: int = 132) -> list[fg.Fro
 
 def check(got_logits, got_latent, y: np.ndarray, split: int) -> str | None:
     """None when the kernel's outputs are within the contract against the float64 product ``y``
-    (``front_gemm_timing.contract_errors``), else by how much they are not."""
+    (``timing.contract_errors``), else by how much they are not."""
     err_l, err_t = contract_errors(got_logits, got_latent, y, split)
     if err_l > 1 or err_t > 1:
         return f"outside the contract: logits {err_l:.2f}x their bound, latent {err_t:.2f} ulp"
@@ -150,7 +150,7 @@ def main() -> None:
     kind = device.device_kind
     print("device", kind, "cores", getattr(device, "core_count", None), flush=True)
 
-    shapes = {tp: Shape.k3(tp) for tp in map(int, args.tps.split(","))}
+    shapes = {tp: FrontShape.k3(tp) for tp in map(int, args.tps.split(","))}
     batches = list(map(int, args.batches.split(",")))
     previous = json.load(open(args.refine))["results"] if args.refine else None
     current = json.load(open(args.table))["entries"] if args.table and os.path.exists(args.table) else {}

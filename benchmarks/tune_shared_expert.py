@@ -51,8 +51,9 @@ from moe_front_jax.pallas.streaming import (
     GemmConfig,
     padded_batch,
 )
-from front_gemm_timing import cupti_us_per_call, tbs, vector_schedules, xla_dot
-from shared_expert_timing import Shape, down_copies, gate_up_copies, rows
+from timing import (
+    SharedShape, cupti_us_per_call, down_copies, gate_up_copies, rows, tbs, vector_schedules, xla_dot,
+)
 
 SMEM_BUDGET = 200 * 1024
 """Pipeline buffers per program stay under this (an H200 SM has 227 KiB of shared memory)."""
@@ -182,7 +183,7 @@ def tma_candidates(row_count: int, k: int, parts: int, batch: int, cores: int = 
 
 
 def vector_candidates(row_count: int, k: int, parts: int, batch: int) -> list[GemmConfig]:
-    """The vector schedules worth timing for one kernel (``front_gemm_timing.vector_schedules``)."""
+    """The vector schedules worth timing for one kernel (``timing.vector_schedules``)."""
     return [GemmConfig(bn, bk, 1, warps, 1, vector=True)
             for bn, bk, warps in vector_schedules(lambda bn: -(-row_count // bn), k, parts, batch)]
 
@@ -211,7 +212,7 @@ def main() -> None:
     device = jax.devices()[0]
     kind = device.device_kind
     print("device", kind, "cores", getattr(device, "core_count", None), flush=True)
-    shapes = {tp: Shape.k3(tp) for tp in map(int, args.tps.split(","))}
+    shapes = {tp: SharedShape.k3(tp) for tp in map(int, args.tps.split(","))}
     batches = list(map(int, args.batches.split(",")))
 
     weights, data, refs = {}, {}, {}
@@ -322,7 +323,7 @@ def main() -> None:
 
     # XLA's references and the schedules each key runs now first, all of them, then the candidates
     # within --budget-s (on the H200 the references' compiles, which autotune, once took a 150 s
-    # budget before any candidate: eighteenth session).
+    # budget before any candidate: 2026-12-06, c40ee46).
     first = [job for job in jobs if job[3] is None or job[3] in running[job[:2]]]
     with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
         results = measure(first, pool)

@@ -51,7 +51,7 @@ def test_script_writes_a_png_and_a_table(tmp_path):
     row = next(line for line in lines if line.startswith("| front_gemm | 1 | 1 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     pallas, xla, floor = 1.5 * 4_651_000 / 4.65e6 + 2, 2.0 * 4_651_000 / 4.65e6 + 2, 4_651_000 / 4.65e6
-    assert cells[3:] == [f"{pallas:.1f}", f"{xla:.1f}", f"{xla / pallas:.2f}", f"{floor:.1f}",
+    assert cells[3:] == [f"{pallas:.2f}", f"{xla:.2f}", f"{xla / pallas:.2f}", f"{floor:.2f}",
                          f"{floor / pallas:.0%}"]
     assert sum(line.startswith("| route |") for line in lines) == 2
 
@@ -88,3 +88,60 @@ def test_files_that_disagree_on_a_floor_are_refused(tmp_path):
                            str(tmp_path / "x.png")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "disagrees" in proc.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def mailbox_results(batches=(1, 64)):
+    """``bench_mailbox.py``'s format: per batch, each path's ``{"us": ...}``."""
+    return {"device": "synthetic", "batches": [
+        dict(batch=b, direct=dict(us=20.0 + b), mailbox=dict(us=21.5 + b),
+             direct_pallas=dict(us=19.0 + b), mailbox_pallas=dict(us=20.0 + b),
+             exchange=dict(us=2.0), publish_us=1.0) for b in batches]}
+
+
+def test_table_alone_writes_no_figure_and_takes_the_mailbox(tmp_path):
+    gemm = write(tmp_path / "gemm.json", results())
+    box = write(tmp_path / "box.json", mailbox_results())
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(gemm), str(box), "--table"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote" not in proc.stdout and not list(tmp_path.glob("*.png"))
+    lines = proc.stdout.splitlines()
+    row = next(line for line in lines if line.startswith("| 64 |"))
+    assert [c.strip() for c in row.strip("|").split("|")] == [
+        "64", "83.00", "84.00", "+1.00", "84.00", "85.50", "+1.50", "2.00"]
+    assert any(line.startswith("| front_gemm | 8 | 64 |") for line in lines)
+
+
+def test_the_mailbox_alone_has_no_figure(tmp_path):
+    box = write(tmp_path / "box.json", mailbox_results())
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(box), "-o", str(tmp_path / "x.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no rows to plot" in proc.stderr
+    first_files = {"batches": [dict(batch=1, direct=dict(us=20.0), mailbox=dict(us=21.0))]}
+    only = plot_module().table(plot_module().load([write(tmp_path / "old.json", first_files)]))
+    assert only.splitlines()[-1] == "| 1 | - | - | - | 20.00 | 21.00 | +1.00 | - |"
+    with pytest.raises(ValueError, match="'mailbox' needs a positive 'us'"):
+        bad = {"batches": [dict(batch=1, direct=dict(us=20.0), mailbox=dict(us=-1))]}
+        plot_module().load([write(tmp_path / "bad.json", bad)])
+
+
+def test_bandwidth_replaces_every_floor():
+    module = plot_module()
+    data = {"rows": [], "floors": {"route": {"bandwidth_gbs": 4650.0, "label": "x"},
+                                   "plan": {"bandwidth_gbs": 3360.0, "label": "y"}}}
+    floors = module.with_bandwidth(data, 3350.0)["floors"]
+    assert floors == {s: {"bandwidth_gbs": 3350.0, "label": "3.35 TB/s"} for s in ("route", "plan")}
+    with pytest.raises(ValueError, match="positive"):
+        module.with_bandwidth(data, 0.0)
+
+
+def test_spans_in_a_files_detail_get_columns_of_their_own(tmp_path):
+    data = results("shared_expert", tps=(1,), batches=(1, 64))
+    data["detail"] = [dict(tp=1, batch=1, pallas_span_us=9.5, xla_span_us=11.25),
+                      dict(tp=1, batch=64, pallas_span_us=12.0, span_error="not in order")]
+    module = plot_module()
+    lines = module.table(module.load([write(tmp_path / "se.json", data)])).splitlines()
+    assert lines[0].endswith("| pallas span (us) | xla span (us) |")
+    assert lines[1].count("---") == 10
+    assert lines[2].endswith("| 9.50 | 11.25 |") and lines[3].endswith("| 12.00 | - |")
+    assert "span" not in module.table(module.load([write(tmp_path / "g.json", results())]))
