@@ -1,0 +1,244 @@
+"""The whole MoE front per layer of a decode step, as a user runs it, on each backend (GPU).
+
+  python benchmarks/bench_front.py --out $OUT [--tps 1,2,4,8] [--batches ...] [--layers 6]
+
+A jitted program runs ``--layers`` layers one after another, as a decode step chains them: each layer
+has its own Kimi-K3 weights with the shared expert, and each layer's ``x`` is held behind the previous
+layer's outputs (an optimization barrier), so no layer starts early. At tp1 a layer is
+``moe_front(x, params, plan=True, backend=...)``. At tp 2, 4 and 8 it is one rank's work with the
+exchange left out: the rank's front GEMM, its logits and latent repeated tp times where the
+exchange's all-gather would deliver every rank's, routing over all experts, the plan, and the
+shared expert's float32 partial sum (``parallel.rank_front`` without the collectives). Per layer,
+for ``xla``, ``auto`` and ``pallas`` in one process: the span (the program's first kernel start to
+its last kernel end in a profiler trace, divided by the layers: gaps and launches included), the
+CUPTI sum of its kernels, the host's wall clock, and the kernels launched. The floor is the layer's
+weight bytes at the read ceiling measured in the same run (XLA's float32 sum over 2 GiB of bf16).
+The table prints last; everything goes to $OUT/bench_front.json, and the figure to
+$OUT/bench_front.png where matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import moe_front_jax as mf
+import timing
+from moe_front_jax import dispatch
+
+BACKENDS = ("xla", "auto", "pallas")
+
+
+def weight_bytes(cfg: mf.FrontConfig) -> int:
+    """The bytes of weight one rank's layer reads: router, latent, gate/up and down rows."""
+    rows = cfg.experts_per_rank + cfg.latent_per_rank + 2 * cfg.shared_per_rank
+    return 2 * cfg.hidden * rows + 2 * cfg.hidden * cfg.shared_per_rank
+
+
+def layer_params(cfg: mf.FrontConfig, layers: int) -> list[mf.FrontParams]:
+    """Rank 0's params of ``layers`` layers, each drawn from its own seed."""
+    out = []
+    for layer in range(layers):
+        weights = mf.init_weights(jax.random.key(layer), cfg.with_tp(1), shared=True)
+        out.append(mf.pack_params(weights, cfg, rank=0))
+        del weights
+    return out
+
+
+def rank_layer(x, params: mf.FrontParams, backend: str):
+    """One rank's layer at ``params.cfg.tp > 1``, the exchange left out (module docstring)."""
+    cfg = params.cfg
+    logits, latent = dispatch.run("front_gemm", backend, x, params.packed, params.split,
+                                  cfg.experts_per_rank)
+    logits, latent = jnp.tile(logits, (1, cfg.tp)), jnp.tile(latent, (1, cfg.tp))
+    ids, weights = dispatch.run("route", backend, logits, params.bias, cfg)
+    plan = dispatch.run("plan", backend, latent, cfg.plan_block)
+    shared = dispatch.run("shared_expert", backend, x, params.gate_up, params.down, cfg, jnp.float32)
+    return ids, weights, latent, logits, shared, plan
+
+
+def layer(backend: str, tp: int):
+    if tp == 1:
+        return lambda x, params: mf.moe_front(x, params, plan=True, backend=backend)
+    return lambda x, params: rank_layer(x, params, backend)
+
+
+def chained(fn, xs, params):
+    """A jitted program of ``len(xs)`` layers, layer i on ``xs[i]`` once layer i - 1 is done."""
+
+    def program(xs, params):
+        outs = [fn(xs[0], params[0])]
+        for x, p in zip(xs[1:], params[1:]):
+            _, x = lax.optimization_barrier((outs[-1], x))
+            outs.append(fn(x, p))
+        return outs
+
+    return jax.jit(program)
+
+
+def program_spans(run, kernels: int, programs: int) -> list[float]:
+    """Spans in microseconds (first kernel start to last kernel end) of the programs of ``kernels``
+    kernels each whose kernels a profiler trace of ``programs`` runs of ``run`` kept whole."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            for _ in range(programs):
+                jax.block_until_ready(run())
+        trace_file, = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz"))
+        with gzip.open(trace_file) as f:
+            events = json.load(f)["traceEvents"]
+    streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
+               and e.get("name") == "thread_name"
+               and e.get("args", {}).get("name", "").startswith("Stream")}
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
+    whole = len(spans) - len(spans) % kernels
+    return [spans[at + kernels - 1][1] - spans[at][0] for at in range(0, whole, kernels)]
+
+
+def read_ceiling_tbs() -> float:
+    """XLA's float32 sum over 2 GiB of bf16, CUPTI: the HBM read ceiling of this run."""
+    data = jnp.ones((1 << 30,), jnp.bfloat16)
+    total = jax.jit(lambda a, _: jnp.sum(a, dtype=jnp.float32))
+    us, _ = timing.cupti_us_per_call(total, data, [None] * 4)
+    return data.nbytes / (us * 1e-6) / 1e12
+
+
+def measure(backend: str, tp: int, batch: int, params, calls: int) -> dict:
+    cfg = params[0].cfg
+    layers = len(params)
+    xs = [timing.rows(batch, cfg.hidden, seed=i) for i in range(layers)]
+    program = chained(layer(backend, tp), xs, params)
+    start = time.perf_counter()
+    jax.block_until_ready(program(xs, params))
+    compile_s = time.perf_counter() - start
+    per_kernel = timing.cupti_us_per_kernel(lambda *_: program(xs, params), None, [None] * calls,
+                                            rounds=1)
+    cupti = statistics.median(map(sum, zip(*per_kernel.values())))
+    walls = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(program(xs, params))
+        walls.append(time.perf_counter() - start)
+    spans = program_spans(lambda: program(xs, params), len(per_kernel), calls)
+    return dict(
+        backend=backend, tp=tp, batch=batch, layers=layers, compile_s=round(compile_s, 1),
+        kernels_per_layer=len(per_kernel) / layers,
+        cupti_us=cupti / layers,
+        span_us=statistics.median(spans) / layers if spans else None,
+        programs_traced=len(spans),
+        wall_us=statistics.median(walls) * 1e6 / layers,
+        kernels=list(per_kernel),
+    )
+
+
+def check(tp: int, batch: int) -> None:
+    """On any machine: one small layer of each backend (``pallas`` in interpret mode off a GPU)
+    gives the reference's ids, weights and plan."""
+    cfg = mf.FrontConfig(hidden=256, experts=64, top_k=8, latent=256, shared=128).with_tp(tp)
+    params = layer_params(cfg, 2)
+    xs = [timing.rows(batch, cfg.hidden, seed=i) for i in range(2)]
+    want = chained(layer("xla", tp), xs, params)(xs, params)
+    for backend in ("auto", "pallas" if dispatch.on_gpu() else "interpret"):
+        got = chained(layer(backend, tp), xs, params)(xs, params)
+        for one, ref in zip(got, want):
+            for field in (0, 1):  # ids, weights
+                np.testing.assert_array_equal(np.asarray(one[field]), np.asarray(ref[field]))
+    print(f"check tp={tp} B={batch}: auto and the kernels match xla")
+
+
+def draw(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no figure")
+        return
+    tps = sorted({r["tp"] for r in rows})
+    fig, axes = plt.subplots(1, len(tps), figsize=(4.5 * len(tps), 3.8), squeeze=False)
+    for ax, tp in zip(axes[0], tps):
+        for backend in BACKENDS:
+            pts = sorted((r["batch"], r["span_us"]) for r in rows
+                         if r["tp"] == tp and r["backend"] == backend and r["span_us"])
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=backend)
+        floors = sorted({(r["batch"], r["floor_us"]) for r in rows if r["tp"] == tp})
+        ax.plot(*zip(*floors), "k--", label="floor")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"tp={tp}" + (" (one rank, no exchange)" if tp > 1 else ""))
+        ax.set_xlabel("batch B")
+        ax.set_ylabel("span per layer (us)")
+        ax.legend()
+    fig.suptitle(f"moe_front per layer, {jax.devices()[0].device_kind}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--tps", default="1,2,4,8")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64,128,256",
+                        help="tp1's batches; tp > 1 runs --rank-batches")
+    parser.add_argument("--rank-batches", default="1,8,64")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--check", action="store_true",
+                        help="only check, small shapes, on any machine (interpret mode off a GPU)")
+    args = parser.parse_args()
+    tps = [int(t) for t in args.tps.split(",")]
+    if args.check:
+        for tp in tps:
+            check(tp, 3)
+        return
+    ceiling = read_ceiling_tbs()
+    print(f"{jax.devices()[0].device_kind}: read ceiling {ceiling:.2f} TB/s", flush=True)
+    rows = []
+    for tp in tps:
+        cfg = mf.KIMI_K3.with_tp(tp)
+        params = layer_params(cfg, args.layers)
+        floor = weight_bytes(cfg) / (ceiling * 1e12) * 1e6
+        batches = args.batches if tp == 1 else args.rank_batches
+        for batch in (int(b) for b in batches.split(",")):
+            for backend in args.backends.split(","):
+                row = measure(backend, tp, batch, params, args.calls)
+                row.update(floor_us=floor, weight_bytes=weight_bytes(cfg))
+                rows.append(row)
+                print(f"tp={tp} B={batch} {backend}: span {row['span_us'] or float('nan'):.1f} us, "
+                      f"CUPTI {row['cupti_us']:.1f}, wall {row['wall_us']:.1f}, "
+                      f"{row['kernels_per_layer']:g} kernels, compile {row['compile_s']} s", flush=True)
+        del params
+    os.makedirs(args.out, exist_ok=True)
+    result = dict(device=jax.devices()[0].device_kind, read_ceiling_tbs=ceiling,
+                  layers=args.layers, rows=rows)
+    with open(os.path.join(args.out, "bench_front.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    draw(rows, os.path.join(args.out, "bench_front.png"))
+    print("\n| tp | B | floor | " + " | ".join(f"{b} span / CUPTI / wall (kernels)" for b in
+                                              args.backends.split(",")) + " | xla / auto span |")
+    print("| --- " * (4 + len(args.backends.split(","))) + "|")
+    for tp, batch in dict.fromkeys((r["tp"], r["batch"]) for r in rows):
+        mine = {r["backend"]: r for r in rows if (r["tp"], r["batch"]) == (tp, batch)}
+        cells = [f"{r['span_us'] or float('nan'):.1f} / {r['cupti_us']:.1f} / {r['wall_us']:.0f} "
+                 f"({r['kernels_per_layer']:g})" for r in mine.values()]
+        ratio = (mine["xla"]["span_us"] / mine["auto"]["span_us"]
+                 if {"xla", "auto"} <= set(mine) and mine["auto"]["span_us"] else float("nan"))
+        floor = next(iter(mine.values()))["floor_us"]
+        print(f"| {tp} | {batch} | {floor:.1f} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
