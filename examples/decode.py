@@ -4,9 +4,10 @@
 
 ``DecodeModel`` is a stand-in for one Kimi-K3 decoder layer around ``mf.nn.MoEFront``: token embedding,
 RMSNorm, the front (with the MXFP8 plan and the shared expert), the routed experts as one vector each
-(standing in for the MXFP4 expert MLPs), and a head that picks the next token. Every step runs under
-``nnx.jit`` on seeded random weights and prints a progress line: its time, the next tokens, row 0's
-top experts and whether the SPEC's invariants hold. Exits with status 1 if any invariant fails.
+(standing in for the MXFP4 expert MLPs), and a head that picks the next token. It draws seeded random
+weights, then runs every step under ``nnx.jit`` and prints a progress line per step: its time, row 0's
+top experts, the latent's norm, the next tokens and whether the SPEC's invariants hold. Exits with
+status 1 if any invariant fails.
 """
 
 from __future__ import annotations
@@ -21,23 +22,30 @@ import numpy as np
 from flax import nnx
 
 import moe_front_jax as mf
-from moe_front_jax import backends
 
 VOCAB = 4096
 """Tokens of the stand-in model's embedding and head."""
 SMALL = mf.FrontConfig(hidden=512, experts=128, top_k=16, latent=256, shared=512)
 """``--small``: K3's proportions at a size that initialises and compiles in seconds on a CPU."""
+BACKENDS = ("auto", "xla", "pallas", "interpret")
+"""``--backend`` choices: those of ``mf.moe_front``."""
 
 
-STAGES = ("front_gemm_plan", "route", "shared_expert")
-"""The stages a step runs: the front GEMM with the MXFP8 plan from its epilogue, routing, shared expert."""
+def runs(backend: str) -> str:
+    """What ``backend`` runs on this machine, in words."""
+    gpu = jax.default_backend() in ("gpu", "cuda")
+    return {
+        "xla": "the plain-JAX reference (mf.reference)",
+        "pallas": "the Pallas kernels",
+        "interpret": "the Pallas kernels in interpret mode",
+        "auto": "the Pallas kernels where they measured faster than XLA, else the reference" if gpu
+        else "the plain-JAX reference (no GPU here)",
+    }[backend]
 
 
-def implementation(stage: str, backend: str) -> str:
-    """``module.function`` that runs ``stage`` under ``backend`` on this machine."""
-    fn = backends.stage(stage, backend)
-    fn = getattr(fn, "func", fn)  # a kernel comes as functools.partial(kernel, interpret=...)
-    return f"{fn.__module__}.{fn.__name__}"
+def param_bytes(model: nnx.Module) -> int:
+    """Bytes of every Param of ``model`` (abstract arrays suffice)."""
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def invariant_failures(out: mf.FrontOutput, bias, cfg: mf.FrontConfig, batch: int) -> list[str]:
@@ -109,10 +117,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="decode batch sizes")
     parser.add_argument("--steps", type=int, default=4, help="decode steps per batch size")
-    parser.add_argument("--backend", default="auto", choices=backends.BACKENDS)
-    parser.add_argument("--rows", type=int, default=2, help="rows of routing to print after the last step")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS)
+    parser.add_argument("--rows", type=int, default=1,
+                        help="rows of routing to print after the last step")
     parser.add_argument("--small", action="store_true",
-                        help=f"a scaled-down model (hidden {SMALL.hidden}, {SMALL.experts} experts) for a quick run")
+                        help=f"a scaled-down model (hidden {SMALL.hidden}, {SMALL.experts} experts), "
+                        "for a quick run")
     args = parser.parse_args(argv)
     for name in ("steps", "rows"):
         if getattr(args, name) < 1:
@@ -121,11 +131,18 @@ def main(argv=None) -> int:
         parser.error(f"--batch sizes must be >= 1, got {args.batch}")
 
     cfg = SMALL if args.small else mf.KIMI_K3
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; backend={args.backend!r} -> "
-          + ", ".join(f"{s}: {implementation(s, args.backend)}" for s in STAGES))
-    print(f"{'Scaled-down' if args.small else 'Kimi-K3'} front: hidden {cfg.hidden}, {cfg.experts} experts, top-{cfg.top_k}, "
-          f"latent {cfg.latent}, shared {cfg.shared}; seeded random weights (nnx.Rngs(0))")
+    name = "scaled-down" if args.small else "Kimi-K3"
+    device = jax.devices()[0].device_kind
+    print(f"jax {jax.__version__} on {device}; backend={args.backend!r}: {runs(args.backend)}")
+    print(f"{name} front: hidden {cfg.hidden}, {cfg.experts} experts, top-{cfg.top_k}, "
+          f"latent {cfg.latent}, shared {cfg.shared}")
+    size = param_bytes(nnx.eval_shape(lambda: DecodeModel(cfg, args.backend, nnx.Rngs(0))))
+    print(f"drawing {name} weights (seed 0, {size / 1e6:.0f} MB with the stand-in layer) ...",
+          end=" ", flush=True)
+    start = time.perf_counter()
     model = DecodeModel(cfg, args.backend, nnx.Rngs(0))
+    jax.block_until_ready(nnx.state(model))
+    print(f"{time.perf_counter() - start:.1f} s", flush=True)
     bias = model.front.bias[...]
     # graph_updates=False: the step updates no Variable, so none comes back. Graph-mode nnx.jit would
     # return every Param of the model and XLA copy each one into a fresh buffer per step.
@@ -134,7 +151,7 @@ def main(argv=None) -> int:
     failed = False
     for batch in args.batch:
         tokens = jax.random.randint(jax.random.key(batch), (batch,), 0, VOCAB, jnp.int32)
-        print(f"\nB={batch}: {args.steps} decode steps")
+        print(f"\nB={batch}: {args.steps} decode steps (the first compiles)", flush=True)
         times = []
         for i in range(args.steps):
             start = time.perf_counter()
@@ -143,22 +160,24 @@ def main(argv=None) -> int:
             times.append(elapsed)
             failures = invariant_failures(out, bias, cfg, batch)
             failed |= bool(failures)
-            top = " ".join(f"{e}:{w:.3f}" for e, w in zip(np.asarray(out.ids[0, :4]).tolist(),
-                                                          np.asarray(out.weights[0, :4], np.float32).tolist()))
-            shown = " ".join(map(str, np.asarray(tokens[:6]).tolist())) + (" ..." if batch > 6 else "")
+            experts = " ".join(map(str, np.asarray(out.ids[0, :3]).tolist()))
+            shown = " ".join(map(str, np.asarray(tokens[:3]).tolist())) + (" .." if batch > 3 else "")
             latent_norm = float(jnp.linalg.norm(out.latent.astype(jnp.float32)))
-            print(f"  step {i + 1}/{args.steps}: {1e3 * elapsed:8.2f} ms{' (compile)' if i == 0 else '          '}"
-                  f"  row 0 experts {top} ...  latent norm {latent_norm:.2f}  next tokens {shown}  "
-                  + ("invariants hold" if not failures else "INVARIANTS BROKEN"))
+            print(f"  step {i + 1}/{args.steps}: {1e3 * elapsed:7.1f} ms  row 0 experts {experts} ..  "
+                  f"latent norm {latent_norm:.1f}  next {shown}  "
+                  + ("invariants hold" if not failures else "INVARIANTS BROKEN"), flush=True)
             for f in failures:
                 print(f"    INVARIANT BROKEN: {f}")
         if args.steps > 1:
-            print(f"  {1e6 * np.median(times[1:]):.0f} us per step after compiling (median of "
-                  f"{args.steps - 1}, host clock, dispatch and the stand-in layer included)")
+            median = 1e3 * np.median(times[1:])
+            print(f"  {median:.1f} ms per step after compiling (median of {args.steps - 1}; host clock, "
+                  "the whole stand-in layer)")
         for r in range(min(args.rows, batch)):
-            pairs = " ".join(f"{e}:{w:.3f}" for e, w in
-                             zip(np.asarray(out.ids[r]).tolist(), np.asarray(out.weights[r], np.float32).tolist()))
-            print(f"  last step, row {r}: {pairs}")
+            pairs = [f"{e}:{w:.3f}" for e, w in
+                     zip(np.asarray(out.ids[r]).tolist(), np.asarray(out.weights[r], np.float32).tolist())]
+            print(f"  last step, row {r}, expert:weight")
+            for j in range(0, len(pairs), 8):
+                print("    " + " ".join(pairs[j:j + 8]))
     print("\nall invariants hold" if not failed else "\nsome invariants are broken")
     return 1 if failed else 0
 

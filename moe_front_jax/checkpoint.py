@@ -48,23 +48,34 @@ def checkpoint_files(paths_or_dir: PathLike | Iterable[PathLike]) -> dict[str, P
         ``model.safetensors.index.json`` when there is one, else every ``*.safetensors`` in it.
 
     Raises:
-      ValueError: a path that does not exist, a directory without safetensors files, or a key found in
-        two files.
+      ValueError: a path that does not exist, a directory without safetensors files, a key found in
+        two files, an index that is not JSON or has no ``weight_map`` of names to file names (naming
+        the index file), or ``paths_or_dir`` of another type than these (naming it and its type).
     """
     if isinstance(paths_or_dir, (str, os.PathLike)):
         root = Path(paths_or_dir)
         if root.is_dir():
             index = root / INDEX
             if index.is_file():
-                weight_map = json.loads(index.read_text())["weight_map"]
-                return {key: root / name for key, name in weight_map.items()}
+                return {key: root / name for key, name in _weight_map(index).items()}
             files = sorted(root.glob("*.safetensors"))
             if not files:
                 raise ValueError(f"paths_or_dir={str(root)!r} holds no *.safetensors file and no {INDEX}")
         else:
             files = [root]
     else:
-        files = [Path(p) for p in paths_or_dir]
+        expected = "a .safetensors file (str or os.PathLike), a list of them, or a directory"
+        if isinstance(paths_or_dir, bytes) or not isinstance(paths_or_dir, Iterable):
+            kind = type(paths_or_dir).__name__
+            raise ValueError(f"paths_or_dir must be {expected}, got {paths_or_dir!r} of type {kind}")
+        files = list(paths_or_dir)
+        for path in files:
+            if not isinstance(path, (str, os.PathLike)):
+                raise ValueError(
+                    f"paths_or_dir must be {expected}, got an iterable holding {path!r} of type "
+                    f"{type(path).__name__}"
+                )
+        files = [Path(p) for p in files]
         if not files:
             raise ValueError("paths_or_dir is an empty list; expected at least one .safetensors file")
     found: dict[str, Path] = {}
@@ -76,6 +87,32 @@ def checkpoint_files(paths_or_dir: PathLike | Iterable[PathLike]) -> dict[str, P
                 raise ValueError(f"key {key!r} is in both {str(found[key])!r} and {str(path)!r}")
             found[key] = path
     return found
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a checkpoint's index file, checked to map tensor names to file names.
+
+    Raises:
+      ValueError: naming the index file, when it is not JSON or has no such ``weight_map``.
+    """
+    try:
+        content = json.loads(index.read_text())
+    except (OSError, ValueError) as error:  # ValueError: json.JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"{str(index)!r} is not a readable JSON index: {error}") from None
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if weight_map is None:
+        raise ValueError(
+            f'{str(index)!r} has no "weight_map"; expected {{"weight_map": {{tensor name: file name}}}}'
+        )
+    if isinstance(weight_map, dict):  # JSON keys are str; a file name may be any JSON value
+        bad = next(((key, name) for key, name in weight_map.items() if not isinstance(name, str)), None)
+    else:
+        bad = weight_map
+    if bad is not None:
+        raise ValueError(
+            f'{str(index)!r}: "weight_map" must map tensor names to file names (str to str), got {bad!r}'
+        )
+    return weight_map
 
 
 def _keys(path: Path) -> list[str]:
@@ -227,7 +264,9 @@ def load_weights(
 
     Raises:
       ValueError: naming the checkpoint key that is missing or has the wrong shape or dtype (checked
-        from the file headers, before any data is read), or only one of the shared expert's keys.
+        from the file headers, before any data is read), or only one of the shared expert's keys; a
+        source that is not a path, a list of paths or a directory, or a bad index file (see
+        ``checkpoint_files``).
     """
     weights = CheckpointReader(paths_or_dir, cfg, prefix).weights()
     P.check_weights(weights, cfg)

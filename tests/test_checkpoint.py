@@ -150,6 +150,48 @@ def test_wrong_prefix_and_bad_sources(tmp_path):
         mf.load_weights(tmp_path, CFG, prefix=PREFIX)
 
 
+def whole(message):
+    """A ``pytest.raises`` pattern that matches exactly ``message``."""
+    return "^" + re.escape(message) + "$"
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"weight_map": {', "is not a readable JSON index: Expecting property name enclosed in double "
+         "quotes: line 1 column 17 (char 16)"),
+        ("", "is not a readable JSON index: Expecting value: line 1 column 1 (char 0)"),
+        ('{"metadata": {}}', 'has no "weight_map"; expected {"weight_map": {tensor name: file name}}'),
+        ("[1, 2]", 'has no "weight_map"; expected {"weight_map": {tensor name: file name}}'),
+        ('{"weight_map": null}', 'has no "weight_map"; expected {"weight_map": {tensor name: file name}}'),
+        ('{"weight_map": ["m.safetensors"]}',
+         ": \"weight_map\" must map tensor names to file names (str to str), got ['m.safetensors']"),
+        ('{"weight_map": {"a.weight": "m.safetensors", "b.weight": 2}}',
+         ": \"weight_map\" must map tensor names to file names (str to str), got ('b.weight', 2)"),
+    ],
+)
+def test_bad_index_raises_value_error_naming_the_file(tmp_path, content, message):
+    save_file(checkpoint(layer(6)), str(tmp_path / "m.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(content)
+    separator = "" if message.startswith(":") else " "
+    with pytest.raises(ValueError, match=whole(f"{str(index)!r}{separator}{message}")):
+        mf.load_weights(tmp_path, CFG, prefix=PREFIX)
+
+
+def test_source_of_another_type_raises_value_error_naming_it():
+    expected = ("paths_or_dir must be a .safetensors file (str or os.PathLike), a list of them, or a "
+                "directory")
+    with pytest.raises(ValueError, match=whole(f"{expected}, got 5 of type int")):
+        mf.load_weights(5, CFG)
+    with pytest.raises(ValueError, match=whole(f"{expected}, got None of type NoneType")):
+        mf.load_params(None, CFG)
+    with pytest.raises(ValueError, match=whole(f"{expected}, got b'm.safetensors' of type bytes")):
+        mf.load_weights(b"m.safetensors", CFG)
+    with pytest.raises(ValueError, match=whole(f"{expected}, got an iterable holding 5 of type int")):
+        mf.load_weights(["m.safetensors", 5], CFG)
+
+
 def tp_mesh(tp):
     return jax.sharding.Mesh(np.array(jax.devices("cpu")[:tp]), ("tp",),
                              axis_types=(jax.sharding.AxisType.Explicit,))
