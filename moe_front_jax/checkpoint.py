@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import SafetensorError, safe_open
 
 from moe_front_jax import parallel
-from moe_front_jax import params as P
+from moe_front_jax import params as packing
 from moe_front_jax.config import FrontConfig
 
 INDEX = "model.safetensors.index.json"
@@ -171,11 +171,11 @@ class CheckpointReader:
             raise ValueError(f"prefix must be a str such as 'model.layers.3.mlp.', got {prefix!r}")
         self.cfg, self.prefix = cfg, prefix
         self.files = checkpoint_files(paths_or_dir)
-        self.shapes = P.weight_shapes(cfg)
-        names = [name for name in self.shapes if name not in P.SHARED_KEYS]
-        self.has_shared = any(prefix + name in self.files for name in P.SHARED_KEYS)
+        self.shapes = packing.weight_shapes(cfg)
+        names = [name for name in self.shapes if name not in packing.SHARED_KEYS]
+        self.has_shared = any(prefix + name in self.files for name in packing.SHARED_KEYS)
         if self.has_shared:
-            names += P.SHARED_KEYS
+            names += packing.SHARED_KEYS
         for name in names:
             key = prefix + name
             shape, dtype = self.shapes.get(name, (None, None))
@@ -204,48 +204,42 @@ class CheckpointReader:
         """Every weight found, whole, on the default device (the SPEC's weights dict)."""
         return {name: jnp.asarray(self.read(name)) for name in self.names}
 
-    def params(self, mesh: Mesh | None = None, axis: str = "tp") -> P.FrontParams:
+    def params(self, mesh: Mesh | None = None, axis: str = "tp") -> packing.FrontParams:
         """``load_params``' ``FrontParams``: on one device, or each device of ``mesh`` reading its shard."""
         if mesh is None:
-            return P.pack_params(self.weights(), self.cfg)
+            return packing.pack_params(self.weights(), self.cfg)
         tp = parallel.mesh_tp(self.cfg, mesh, axis)
         cfg = self.cfg.with_tp(tp)
-        valid, shard, s_r, h = cfg.experts_per_rank, cfg.latent_per_rank, cfg.shared_per_rank, cfg.hidden
-        split = P.padded_split(valid)
+        shard, s_r, h = cfg.latent_per_rank, cfg.shared_per_rank, cfg.hidden
+        split = packing.padded_split(cfg.experts_per_rank)
         specs = parallel.param_specs(axis)
 
         def placed(name, shape, block):
             sharding = NamedSharding(mesh, specs[name])
             return jax.make_array_from_callback(shape, sharding, lambda index: block(_bounds(index, shape)))
 
-        def packed_block(bounds):
-            (r0, r1), cols = bounds
-            ranks = range(r0 // (split + shard), r1 // (split + shard))
-            blocks = []
-            for r in ranks:
-                blocks += [
-                    self.read(P.GATE, [(r * valid, (r + 1) * valid), cols]),
-                    np.zeros((split - valid, cols[1] - cols[0]), ml_dtypes.bfloat16),
-                    self.read(P.ROUTED_DOWN, [(r * shard, (r + 1) * shard), cols]),
-                ]
-            return np.concatenate(blocks)
+        def stacked(name, rows_per_rank):
+            """The device's block of ``name``: its ranks' pieces of ``params.rank_rows``."""
+            def block(bounds):
+                (r0, r1), cols = bounds
+                blocks = []
+                for rank in range(r0 // rows_per_rank, r1 // rows_per_rank):
+                    blocks += packing.stack_rows(
+                        packing.rank_rows(cfg, rank, split)[name],
+                        lambda key, lo, hi: self.read(key, [(lo, hi), cols]),
+                        lambda n: np.zeros((n, cols[1] - cols[0]), ml_dtypes.bfloat16))
+                return np.concatenate(blocks)
+            return block
 
-        def gate_up_block(bounds):
-            (r0, r1), cols = bounds
-            blocks = []
-            for r in range(r0 // (2 * s_r), r1 // (2 * s_r)):
-                for half in (0, 1):
-                    rows = (half * cfg.shared + r * s_r, half * cfg.shared + (r + 1) * s_r)
-                    blocks.append(self.read(P.GATE_UP, [rows, cols]))
-            return np.concatenate(blocks)
-
+        packed_block = stacked("packed", split + shard)
+        gate_up_block = stacked("gate_up", 2 * s_r)
         packed = placed("packed", (tp * (split + shard), h), packed_block)
-        bias = placed("bias", (cfg.experts,), lambda bounds: self.read(P.BIAS, bounds))
+        bias = placed("bias", (cfg.experts,), lambda bounds: self.read(packing.BIAS, bounds))
         gate_up = down = None
         if self.has_shared:
             gate_up = placed("gate_up", (2 * cfg.shared, h), gate_up_block)
-            down = placed("down", (h, cfg.shared), lambda bounds: self.read(P.DOWN, bounds))
-        return P.FrontParams(packed, bias, gate_up, down, cfg, split, mesh=mesh, axis=axis)
+            down = placed("down", (h, cfg.shared), lambda bounds: self.read(packing.DOWN, bounds))
+        return packing.FrontParams(packed, bias, gate_up, down, cfg, split, mesh=mesh, axis=axis)
 
 
 def load_weights(
@@ -269,7 +263,7 @@ def load_weights(
         ``checkpoint_files``).
     """
     weights = CheckpointReader(paths_or_dir, cfg, prefix).weights()
-    P.check_weights(weights, cfg)
+    packing.check_weights(weights, cfg)
     return weights
 
 
@@ -280,7 +274,7 @@ def load_params(
     *,
     mesh: Mesh | None = None,
     axis: str = "tp",
-) -> P.FrontParams:
+) -> packing.FrontParams:
     """A checkpoint straight to ``FrontParams``: for one device, or straight into the tp shards.
 
     Without a mesh: ``pack_params(load_weights(paths_or_dir, cfg, prefix), cfg)``. With one: the same
