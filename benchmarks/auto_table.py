@@ -1,7 +1,7 @@
-"""Where ``backend="auto"`` runs the GEMM kernels, from benchmark runs: pallas/tuning/<device>_auto.json.
+"""Where ``backend="auto"`` runs the GEMM kernels, from benchmark runs: pallas/tuning/<kind>/auto.json.
 
   python benchmarks/auto_table.py --front F.json [F.json ...] --shared S.json [S.json:8 ...] \\
-      [--out pallas/tuning/h200_auto.json]
+      [--out A.json]   (default: pallas/tuning/<the runs' device kind>/auto.json)
 
 For the front GEMM and the shared expert ``"auto"`` chooses, per shape and batch, between the
 kernel and the XLA reference stage it replaces (``reference.front_gemm``: the dot and the slices of
@@ -25,6 +25,7 @@ import time
 
 from moe_front_jax.pallas import front_gemm as fg
 from moe_front_jax.pallas import shared_expert as se
+from moe_front_jax.pallas.device import kind_folder
 from timing import FrontShape, SharedShape
 
 MARGIN = 1.05
@@ -85,14 +86,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--front", nargs="+", required=True, help="bench_front_gemm.py results")
     parser.add_argument("--shared", nargs="+", required=True, help="bench_shared_expert.py results")
-    parser.add_argument("--out", default="pallas/tuning/h200_auto.json")
+    parser.add_argument("--out", default=None,
+                        help="default: pallas/tuning/<the runs' device kind>/auto.json")
     args = parser.parse_args()
     devices = {json.load(open(run_file(p)[0]))["device"] for p in args.front + args.shared}
     if len(devices) != 1:
         raise SystemExit(f"the runs come from more than one device kind: {sorted(devices)}")
+    kind = devices.pop()
+    args.out = args.out or f"pallas/tuning/{kind_folder(kind)}/auto.json"
     entries = build(args.front, args.shared)
     table = dict(
-        device_kind=devices.pop(), generated=time.strftime("%Y-%m-%d"), margin=MARGIN,
+        device_kind=kind, generated=time.strftime("%Y-%m-%d"), margin=MARGIN,
         command=f"python benchmarks/auto_table.py --front {' '.join(args.front)} "
                 f"--shared {' '.join(args.shared)} --out {args.out}",
         front=args.front, shared=args.shared, entries=entries,

@@ -31,7 +31,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import moe_front_jax as mf
 import timing
@@ -74,19 +73,6 @@ def layer(backend: str, tp: int):
     return lambda x, params: rank_layer(x, params, backend)
 
 
-def chained(fn, xs, params):
-    """A jitted program of ``len(xs)`` layers, layer i on ``xs[i]`` once layer i - 1 is done."""
-
-    def program(xs, params):
-        outs = [fn(xs[0], params[0])]
-        for x, p in zip(xs[1:], params[1:]):
-            _, x = lax.optimization_barrier((outs[-1], x))
-            outs.append(fn(x, p))
-        return outs
-
-    return jax.jit(program)
-
-
 def program_spans(run, kernels: int, programs: int) -> list[float]:
     """Spans in microseconds (first kernel start to last kernel end) of the programs of ``kernels``
     kernels each whose kernels a profiler trace of ``programs`` runs of ``run`` kept whole."""
@@ -118,19 +104,17 @@ def measure(backend: str, tp: int, batch: int, params, calls: int) -> dict:
     cfg = params[0].cfg
     layers = len(params)
     xs = [timing.rows(batch, cfg.hidden, seed=i) for i in range(layers)]
-    program = chained(layer(backend, tp), xs, params)
     start = time.perf_counter()
-    jax.block_until_ready(program(xs, params))
+    program = timing.chain_program(layer(backend, tp), xs, params)  # compiled and run once
     compile_s = time.perf_counter() - start
-    per_kernel = timing.cupti_us_per_kernel(lambda *_: program(xs, params), None, [None] * calls,
-                                            rounds=1)
+    per_kernel = timing.cupti_us_per_kernel(lambda *_: program(), None, [None] * calls, rounds=1)
     cupti = statistics.median(map(sum, zip(*per_kernel.values())))
     walls = []
     for _ in range(calls):
         start = time.perf_counter()
-        jax.block_until_ready(program(xs, params))
+        jax.block_until_ready(program())
         walls.append(time.perf_counter() - start)
-    spans = program_spans(lambda: program(xs, params), len(per_kernel), calls)
+    spans = program_spans(program, len(per_kernel), calls)
     return dict(
         backend=backend, tp=tp, batch=batch, layers=layers, compile_s=round(compile_s, 1),
         kernels_per_layer=len(per_kernel) / layers,
@@ -148,9 +132,9 @@ def check(tp: int, batch: int) -> None:
     cfg = mf.FrontConfig(hidden=256, experts=64, top_k=8, latent=256, shared=128).with_tp(tp)
     params = layer_params(cfg, 2)
     xs = [timing.rows(batch, cfg.hidden, seed=i) for i in range(2)]
-    want = chained(layer("xla", tp), xs, params)(xs, params)
+    want = timing.chain_program(layer("xla", tp), xs, params)()
     for backend in ("auto", "pallas" if dispatch.on_gpu() else "interpret"):
-        got = chained(layer(backend, tp), xs, params)(xs, params)
+        got = timing.chain_program(layer(backend, tp), xs, params)()
         for one, ref in zip(got, want):
             for field in (0, 1):  # ids, weights
                 np.testing.assert_array_equal(np.asarray(one[field]), np.asarray(ref[field]))

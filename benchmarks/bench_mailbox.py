@@ -9,8 +9,9 @@ the script times, with CUPTI (summed kernel time per call), in one process:
   threaded from call to call as a decode loop does;
 - ``separate`` and ``fused``: the mailbox path composed by hand, XLA's GEMM and the publish kernel,
   then the collect and routing kernels (``separate``) or the routing kernel polling the mailbox
-  itself (``fused``, ``pallas/route_collect.py``);
-- ``exchange``: the mailbox alone (``bridge.mailbox.exchange``: publish + collect), and its two kernels;
+  itself (``fused``, ``pallas/route_collect``);
+- ``exchange``: the mailbox alone (``moe_front_jax.mailbox.exchange``: publish + collect), and its
+  two kernels;
 - ``direct_plan`` and ``mailbox_plan``: both paths with ``plan=True`` (issue 7: the plan adds at most
   1 us to the latent write), the direct path planning with the plan kernel after XLA's GEMM, the
   mailbox path from the collecting kernel;
@@ -24,7 +25,7 @@ Three weight copies (3 x 64 MB, over the 60 MB L2) and three inputs rotate; no i
 measured: how long a collect, and a ``route_collect``, on a never-published mailbox take to return
 their timeout status.
 ``--variants`` first sweeps the kernels' block size (chunks per program, warps); ``--chunks 256,512``
-first times ``route_collect`` per latent chunk (``route_collect.LATENT_CHUNK``).
+first times ``route_collect`` per latent chunk (``route_collect.kernel.LATENT_CHUNK``).
 
 ``--transports`` times instead the exchange alone per transport (issue 9), for tp = 1 and every power
 of two up to the GPU count, at B in {1, 8, 64}, with shards of Kimi-K3 sizes, on a ``"tp"`` mesh:
@@ -56,8 +57,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import moe_front_jax as mf
-from moe_front_jax.bridge import mailbox as mb
+from moe_front_jax import mailbox as mb
+from moe_front_jax.pallas import front_gemm as fg
+from moe_front_jax.pallas import route as rt
 from moe_front_jax.pallas import route_collect as rc
+from moe_front_jax.pallas.route_collect import kernel as route_collect_kernel
 
 BATCHES = (1, 8, 64, 256)
 COPIES = 3
@@ -129,9 +133,6 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
         state["statuses"].append(out.status)
         return out
 
-    from moe_front_jax.pallas import front_gemm as fg
-    from moe_front_jax.pallas import route as rt
-
     def composed(gemm_publishes: bool, fused: bool):
         """One step of the mailbox path composed by hand: the publish by the front GEMM kernel's
         epilogue or by XLA's GEMM and the publish kernel; then ``route_collect`` or the collect and
@@ -139,16 +140,21 @@ def bench_batch(batch: int, params: list, cfg) -> dict:
 
         @functools.partial(jax.jit, donate_argnums=2)
         def step(x, p, box):
+            buffer, control, tickets = box.buffer, box.control, box.tickets
             if gemm_publishes:
-                box, status = fg.front_gemm_publish(x, p.packed, p.split, cfg.experts_per_rank, box)
+                buffer, control, tickets, status = fg.front_gemm_publish(
+                    x, p.packed, p.split, cfg.experts_per_rank, buffer, control, tickets, cfg)
             else:
                 logits, latent = mf.reference.front_gemm(x, p.packed, p.split, cfg.experts_per_rank)
-                box, status = tm.publish(box, logits, latent)
+                buffer, control, status = tm.publish(buffer, control, logits, latent, 0, cfg)
             if fused:
-                *out, status, box = rc.route_collect(box, status, p.bias, batch)
-                return out, status, box
-            logits, latent, status, box = tm.collect(box, batch, status)
-            return (*rt.route(logits, p.bias, cfg), logits, latent), status, box
+                *out, status, buffer, control = rc.route_collect(buffer, control, status, p.bias,
+                                                                 batch, cfg)
+            else:
+                logits, latent, status, buffer, control = tm.collect(buffer, control, status,
+                                                                     batch, cfg)
+                out = (*rt.route(logits, p.bias, cfg), logits, latent)
+            return out, status, mf.Mailbox(buffer, control, tickets, cfg)
 
         def run(i):
             out, status, state["box"] = step(xs[i % COPIES], params[i % COPIES], state["box"])
@@ -211,10 +217,12 @@ def timeout_seconds(cfg, batch: int, fused: bool) -> float:
     first, compiling call."""
     bias = jnp.zeros((cfg.experts,), jnp.float32)
     if fused:
-        collect = jax.jit(
-            lambda box: rc.route_collect(box, jnp.zeros((), jnp.int32), bias, batch)[-2:],
-            donate_argnums=0,
-        )
+        def route_collect(box):
+            *_, status, buffer, control = rc.route_collect(
+                box.buffer, box.control, jnp.zeros((), jnp.int32), bias, batch, cfg)
+            return status, mf.Mailbox(buffer, control, box.tickets, cfg)
+
+        collect = jax.jit(route_collect, donate_argnums=0)
     else:
         collect = jax.jit(lambda box: mb.collect(box, batch)[-2:], donate_argnums=0)
     box = mf.Mailbox.create(cfg, capacity=max(BATCHES))
@@ -256,15 +264,13 @@ def sweep_variants(cfg, params) -> list[dict]:
 
 
 def sweep_chunks(cfg, params, chunks: list[int]) -> list[dict]:
-    """``route_collect``'s time per latent chunk (``route_collect.LATENT_CHUNK``) over the batches,
-    after the front GEMM's publish."""
-    from moe_front_jax.pallas import front_gemm as fg
-
-    chosen = rc.LATENT_CHUNK
+    """``route_collect``'s time per latent chunk (``route_collect.kernel.LATENT_CHUNK``) over the
+    batches, after the front GEMM's publish."""
+    chosen = route_collect_kernel.LATENT_CHUNK
     p = params[0]
     rows = []
     for chunk in chunks:
-        rc.LATENT_CHUNK = chunk
+        route_collect_kernel.LATENT_CHUNK = chunk
         jax.clear_caches()
         row = dict(chunk=chunk)
         for batch in BATCHES:
@@ -273,9 +279,12 @@ def sweep_chunks(cfg, params, chunks: list[int]) -> list[dict]:
 
             @functools.partial(jax.jit, donate_argnums=0)
             def step(box):
-                box, status = fg.front_gemm_publish(x, p.packed, p.split, cfg.experts_per_rank, box)
-                *out, status, box = rc.route_collect(box, status, p.bias, batch)
-                return out, status, box
+                buffer, control, tickets, status = fg.front_gemm_publish(
+                    x, p.packed, p.split, cfg.experts_per_rank, box.buffer, box.control,
+                    box.tickets, cfg)
+                *out, status, buffer, control = rc.route_collect(buffer, control, status, p.bias,
+                                                                 batch, cfg)
+                return out, status, mf.Mailbox(buffer, control, tickets, cfg)
 
             def run(i):
                 out, status, state["box"] = step(state["box"])
@@ -284,7 +293,7 @@ def sweep_chunks(cfg, params, chunks: list[int]) -> list[dict]:
             row[batch] = kernel_us(summarize(kernel_times(run, ITERATIONS)), "route_collect")
         rows.append(row)
         print("route_collect chunk", row, flush=True)
-    rc.LATENT_CHUNK = chosen
+    route_collect_kernel.LATENT_CHUNK = chosen
     jax.clear_caches()
     return rows
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import moe_front_jax as mf
 from moe_front_jax import reference
 from moe_front_jax.pallas import plan as pp
+from moe_front_jax.pallas.plan.kernel import MAX_TILE, heuristic_config
 from timing import cupti_us_per_call
 
 COPIES = 16
@@ -39,11 +40,11 @@ def sweep_configs(batch: int, latent: int, block: int) -> list[pp.PlanConfig]:
     """Around the heuristic: the widest segment at 1 to 16 segments a program (within ``MAX_TILE``
     elements) with the heuristic's warps; the heuristic's tile with half and twice its warps; the
     heuristic's tile made of ``block``-wide segments."""
-    shipped = pp.heuristic_config(batch, latent, block, cores=132)
+    shipped = heuristic_config(batch, latent, block, cores=132)
     width = shipped.width
     configs = {shipped}
     rows = 1
-    while rows <= 16 and rows * width <= pp.MAX_TILE and (rows == 1 or rows <= batch * latent // width):
+    while rows <= 16 and rows * width <= MAX_TILE and (rows == 1 or rows <= batch * latent // width):
         configs.add(pp.PlanConfig(width, rows, max(1, min(8, rows * width // 256))))
         rows *= 2
     for warps in (shipped.num_warps // 2, shipped.num_warps * 2):

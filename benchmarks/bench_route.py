@@ -6,8 +6,9 @@ For B in {1, 8, 16, 32, 64, 128, 256} and the K3 config (896 experts, top-16): t
 shipped schedule (``route.pick_config``) and the XLA reference route (sigmoid, bias, ``lax.top_k``,
 gather, renormalize; every kernel it launches summed), timed in the same process over rotated copies
 of the logits, and the ratio XLA / kernel. With ``--sweep`` also every schedule of ``SWEEP`` (to
-regenerate ``route.H200_TABLE``; both selections, argmax and groups, side by side), written to
-$OUT/bench_route_sweep.json with each schedule's fraction of rows whose ids equal the reference's.
+regenerate ``pallas/tuning/<device kind>/route.json``; both selections, argmax and groups, side
+by side), written to $OUT/bench_route_sweep.json with each schedule's fraction of rows whose ids
+equal the reference's.
 The results go to $OUT/bench_route.json in benchmarks/README.md's format (stage "route"); the table
 prints last.
 """

@@ -157,7 +157,7 @@ def cupti_us_per_kernel(fn, x, weights, rounds: int = 2, attempts: int = 3
 def vector_schedules(tiles, k: int, parts: int, batch: int, cores: int = 132
                      ) -> list[tuple[int, int, int]]:
     """``(block_rows, block_k, num_warps)`` of the vector schedules worth timing for a batch of at
-    most ``streaming.VECTOR_MAX_BATCH``: 1 to 16 rows per program where ``tiles(rows)`` programs give
+    most ``gemm.schedule.VECTOR_MAX_BATCH``: 1 to 16 rows per program where ``tiles(rows)`` programs give
     every one of ``cores`` SMs one; K steps of 256 to 1024 that divide ``k`` (one to four 16-byte
     loads a thread per row); 2, 4 or 8 warps; at most 64 float32 accumulator registers a thread
     (``parts`` row blocks x ``batch`` rows x ``block_rows x block_k`` over the threads)."""

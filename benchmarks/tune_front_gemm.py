@@ -1,4 +1,4 @@
-"""Regenerate the front GEMM's tuning table on the GPU: pallas/tuning/<device>_front_gemm.json.
+"""Regenerate the front GEMM's tuning table on the GPU: pallas/tuning/<device kind>/front_gemm.json.
 
 For every tp shape of K3 and every batch rounded up to a power of two (1 ... 256) it compiles the
 schedule the key runs now (``--table``'s entry, else the package's pick on this device; not under
@@ -7,7 +7,7 @@ depth, stream-K programs; up to B = 8 the vector schedules too), checks each aga
 data (issue 4's bounds, which XLA's product is checked against too), times the correct ones with
 CUPTI over weights rotated past the L2, and keeps the fastest.
 
-  python benchmarks/tune_front_gemm.py --out $OUT [--table pallas/tuning/h200_front_gemm.json]
+  python benchmarks/tune_front_gemm.py --out $OUT [--table pallas/tuning/nvidia-h200/front_gemm.json]
   python benchmarks/tune_front_gemm.py --batches 1,2,4,8 --merge --table ...   (add keys to a table)
 
 Prints one line per (tp, batch) last; the full results go to $OUT/tune_front_gemm.json.
@@ -30,6 +30,8 @@ import numpy as np
 
 from moe_front_jax import reference
 from moe_front_jax.pallas import front_gemm as fg
+from moe_front_jax.pallas.device import kind_folder
+from moe_front_jax.pallas.gemm.schedule import VECTOR_MAX_BATCH
 from timing import (
     FrontShape,
     contract_errors,
@@ -92,7 +94,7 @@ def candidates(shape: FrontShape, bp: int, cores: int = 132) -> list[fg.FrontGem
 
 
 def vector_candidates(shape: FrontShape, batch: int, cores: int = 132) -> list[fg.FrontGemmConfig]:
-    """The vector schedules worth timing for a batch of at most ``fg.VECTOR_MAX_BATCH``
+    """The vector schedules worth timing for a batch of at most ``VECTOR_MAX_BATCH``
     (``timing.vector_schedules``)."""
     def tiles(bn):
         return -(-shape.valid // bn) + -(-shape.shard // bn)
@@ -168,7 +170,7 @@ def main() -> None:
         [(tp, bp, cfg) for cfg in dict.fromkeys(
             neighbours(ranked(previous, tp, bp), bp) if previous
             else [now(shape, bp)] + candidates(shape, max(bp, 16))
-            + (vector_candidates(shape, bp) if bp <= fg.VECTOR_MAX_BATCH else []))]
+            + (vector_candidates(shape, bp) if bp <= VECTOR_MAX_BATCH else []))]
         for tp, shape in shapes.items()
         for bp in batches
     ]
@@ -270,13 +272,13 @@ def main() -> None:
         if (tp, bp) in plan_best:
             entries[key].update(plan_config=plan_best[(tp, bp)]["config"],
                                 plan_us=round(plan_best[(tp, bp)]["us"], 3))
-    name = fg.TABLE_FILES.get(kind, kind.lower().replace(" ", "_") + "_front_gemm.json")
+    name = "front_gemm.json"
     table = dict(
         device_kind=kind,
         generated=time.strftime("%Y-%m-%d"),
         command=earlier
                 + "python benchmarks/tune_front_gemm.py --table "
-                + (args.table or f"pallas/tuning/{name}")
+                + (args.table or f"pallas/tuning/{kind_folder(kind)}/{name}")
                 + (" --refine <an earlier run's tune_front_gemm.json>" if previous else "")
                 + f" --tps {args.tps} --batches {args.batches} --budget-s {args.budget_s:g}"
                 + (" --merge" if args.merge else ""),

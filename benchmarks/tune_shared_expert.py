@@ -1,4 +1,4 @@
-"""Regenerate the shared expert's tuning table on the GPU: pallas/tuning/<device>_shared_expert.json.
+"""Regenerate the shared expert's tuning table on the GPU: pallas/tuning/<device kind>/shared_expert.json.
 
 For each tp shape of K3 and batch rounded up to a power of two it compiles a pruned set of schedules
 for each of the two kernels (gate/up with situ; down; up to B = 8 the vector schedules too), checks
@@ -11,7 +11,7 @@ and the grid and stream-K downs are timed on ``hidden.T`` too (``down_t``): such
 with the best ``down_t``, any other with the best down. Each kernel's XLA counterpart (the check's
 reference) is timed in the same run.
 
-  python benchmarks/tune_shared_expert.py --out $OUT [--table pallas/tuning/h200_shared_expert.json]
+  python benchmarks/tune_shared_expert.py --out $OUT [--table pallas/tuning/nvidia-h200/shared_expert.json]
   python benchmarks/tune_shared_expert.py --batches 1,2 --merge --table ...   (add keys to a table)
   python benchmarks/tune_shared_expert.py --schedules stream_k --merge --table ...
 
@@ -42,8 +42,8 @@ import numpy as np
 
 from moe_front_jax import reference
 from moe_front_jax.pallas import shared_expert as se
-from moe_front_jax.pallas import shared_expert_tma
-from moe_front_jax.pallas.streaming import (
+from moe_front_jax.pallas.device import kind_folder
+from moe_front_jax.pallas.gemm.schedule import (
     TMA_MAX_BATCH,
     TMA_ROWS,
     TMA_WARPS,
@@ -51,6 +51,8 @@ from moe_front_jax.pallas.streaming import (
     GemmConfig,
     padded_batch,
 )
+from moe_front_jax.pallas.shared_expert import tma as shared_expert_tma
+from moe_front_jax.pallas.shared_expert.triton import down_proj_t
 from timing import (
     SharedShape, cupti_us_per_call, down_copies, gate_up_copies, rows, tbs, vector_schedules, xla_dot,
 )
@@ -159,7 +161,7 @@ def tma_candidates(row_count: int, k: int, parts: int, batch: int, cores: int = 
     ``batch_m``)."""
     if batch > TMA_MAX_BATCH:
         return []
-    bp = shared_expert_tma.padded_batch(batch)
+    bp = shared_expert_tma.tma_batch_rows(batch)
     shapes = [(TMA_ROWS, False)] if row_count % TMA_ROWS == 0 else []
     if batch >= 8:
         shapes += [(bn, True) for bn in range(32, TMA_ROWS + 1, 8) if row_count % bn == 0]
@@ -268,7 +270,7 @@ def main() -> None:
         elif kernel == "gate_up":
             fn = lambda x, w: se.gate_up_situ(x, w, 4.0, 25.0, config=c)  # noqa: E731
         elif kernel == "down_t":
-            fn = lambda h_t, w: se.down_proj_t(h_t, w, bp, out_dtype(tp), config=c)  # noqa: E731
+            fn = lambda h_t, w: down_proj_t(h_t, w, bp, out_dtype(tp), config=c)  # noqa: E731
         else:
             fn = lambda h, w: se.down_proj(h, w, out_dtype(tp), config=c)  # noqa: E731
         x, w = operands(tp, bp, kernel)
@@ -363,10 +365,10 @@ def main() -> None:
                     gate_up_us=round(gu["us"], 3), down_us=round(dn["us"], 3),
                     us=round(gu["us"] + dn["us"], 3),
                 )
-    name = se.TABLE_FILES.get(kind, kind.lower().replace(" ", "_") + "_shared_expert.json")
+    name = "shared_expert.json"
     table = dict(device_kind=kind, generated=time.strftime("%Y-%m-%d"),
                  command=earlier + "python benchmarks/tune_shared_expert.py --table "
-                         + (args.table or f"pallas/tuning/{name}")
+                         + (args.table or f"pallas/tuning/{kind_folder(kind)}/{name}")
                          + f" --tps {args.tps} --batches {args.batches} --budget-s {args.budget_s:g}"
                          + (" --merge" if args.merge else "")
                          + (f" --schedules {args.schedules}" if kinds != set(KINDS) else ""),
