@@ -11,7 +11,7 @@ import numpy as np
 from moe_front_jax import dispatch, parallel
 from moe_front_jax import mailbox as mailboxes
 from moe_front_jax.config import FrontConfig
-from moe_front_jax.params import FrontParams
+from moe_front_jax.params import FrontParams, check_param_arrays
 
 
 _MAILBOX_TP = (
@@ -47,19 +47,24 @@ class FrontOutput(NamedTuple):
     status: jax.Array
 
 
+def check_batch(name: str, array, width_name: str, width: int, dtype) -> None:
+    """``array`` must be a non-empty ``[B, width]`` array of ``dtype`` (checked at trace time)."""
+    shape = getattr(array, "shape", None)
+    kind = jnp.dtype(dtype).name
+    if shape is None:
+        raise ValueError(f"{name} must be a [B, {width_name}={width}] {kind} array, got a "
+                         f"{type(array).__name__}")
+    if len(shape) != 2 or shape[1] != width:
+        raise ValueError(f"{name} must have shape [B, {width_name}={width}], got {tuple(shape)}")
+    if shape[0] == 0:
+        raise ValueError(f"{name} is an empty batch (shape {tuple(shape)}); B must be >= 1")
+    if array.dtype != dtype:
+        raise ValueError(f"{name} must be {kind}, got {array.dtype}")
+
+
 def check_rows(x, cfg: FrontConfig) -> None:
     """``x`` must be a non-empty ``[B, H]`` bfloat16 array (checked at trace time)."""
-    shape = getattr(x, "shape", None)
-    dtype = getattr(x, "dtype", None)
-    if shape is None:
-        raise ValueError(f"x must be a [B, hidden={cfg.hidden}] bfloat16 array, got a "
-                         f"{type(x).__name__}")
-    if len(shape) != 2 or shape[1] != cfg.hidden:
-        raise ValueError(f"x must have shape [B, hidden={cfg.hidden}], got {tuple(shape)}")
-    if shape[0] == 0:
-        raise ValueError(f"x is an empty batch (shape {tuple(shape)}); B must be >= 1")
-    if dtype != jnp.bfloat16:
-        raise ValueError(f"x must be bfloat16, got {dtype}")
+    check_batch("x", x, "hidden", cfg.hidden, jnp.bfloat16)
 
 
 def check_params(params) -> None:
@@ -68,22 +73,7 @@ def check_params(params) -> None:
         raise ValueError(
             f"params must be FrontParams (from pack_params or shard_params), got {type(params).__name__}"
         )
-    cfg = params.cfg
-    expected = {
-        "packed": ((params.split + cfg.latent_per_rank, cfg.hidden), jnp.bfloat16),
-        "bias": ((cfg.experts,), jnp.float32),
-    }
-    parallel.check_shared_pair(params)
-    if params.gate_up is not None:
-        expected["gate_up"] = ((2 * cfg.shared_per_rank, cfg.hidden), jnp.bfloat16)
-        expected["down"] = ((cfg.hidden, cfg.shared_per_rank), jnp.bfloat16)
-    for name, (shape, dtype) in expected.items():
-        array = getattr(params, name)
-        if array is None or tuple(array.shape) != shape or array.dtype != dtype:
-            got = "None" if array is None else f"{tuple(array.shape)} {array.dtype}"
-            raise ValueError(
-                f"params.{name} is {got}, expected {shape} {jnp.dtype(dtype)} for tp={cfg.tp}"
-            )
+    check_param_arrays(params, 1, f" for tp={params.cfg.tp}")
 
 
 def moe_front(
@@ -234,16 +224,7 @@ def route(
     dispatch.check_backend(backend)
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
-    shape = getattr(logits, "shape", None)
-    if shape is None:
-        raise ValueError(f"logits must be a [B, experts={cfg.experts}] float32 array, got a "
-                         f"{type(logits).__name__}")
-    if len(shape) != 2 or shape[1] != cfg.experts:
-        raise ValueError(f"logits must have shape [B, experts={cfg.experts}], got {tuple(shape)}")
-    if shape[0] == 0:
-        raise ValueError(f"logits is an empty batch (shape {tuple(shape)}); B must be >= 1")
-    if logits.dtype != jnp.float32:
-        raise ValueError(f"logits must be float32, got {logits.dtype}")
+    check_batch("logits", logits, "experts", cfg.experts, jnp.float32)
     bias_shape = getattr(bias, "shape", None)
     if bias_shape is None or tuple(bias_shape) != (cfg.experts,) or bias.dtype != jnp.float32:
         got = (f"a {type(bias).__name__}" if bias_shape is None

@@ -36,6 +36,7 @@ from moe_front_jax.params import (
     DOWN,
     GATE_UP,
     FrontParams,
+    check_param_arrays,
     check_split_align,
     check_weights,
     padded_split,
@@ -159,16 +160,6 @@ def shard_params(
     return FrontParams(**placed, cfg=cfg, split=split, mesh=mesh, axis=axis)
 
 
-def check_shared_pair(params: FrontParams) -> None:
-    """The shared expert's two weights come together or not at all."""
-    if (params.gate_up is None) != (params.down is None):
-        given, missing = ("gate_up", "down") if params.down is None else ("down", "gate_up")
-        raise ValueError(
-            f"params.{given} is given but params.{missing} is None: the shared expert needs both "
-            "(or neither, for a model without one)"
-        )
-
-
 def check_sharded_params(params: FrontParams) -> None:
     """Sharded params must hold global arrays matching their config.
 
@@ -180,22 +171,7 @@ def check_sharded_params(params: FrontParams) -> None:
     tp = mesh_tp(cfg, mesh, axis)
     if cfg.tp != tp:
         raise ValueError(f"params.cfg.tp={cfg.tp} but mesh axis {axis!r} has {tp} devices")
-    check_shared_pair(params)
-    expected = {
-        "packed": ((tp * (params.split + cfg.latent_per_rank), cfg.hidden), jnp.bfloat16),
-        "bias": ((cfg.experts,), jnp.float32),
-    }
-    if params.gate_up is not None:
-        expected["gate_up"] = ((2 * cfg.shared, cfg.hidden), jnp.bfloat16)
-        expected["down"] = ((cfg.hidden, cfg.shared), jnp.bfloat16)
-    for name, (shape, dtype) in expected.items():
-        array = getattr(params, name)
-        if array is None or tuple(array.shape) != shape or array.dtype != dtype:
-            got = "None" if array is None else f"{tuple(array.shape)} {array.dtype}"
-            raise ValueError(
-                f"params.{name} is {got}, expected {shape} {jnp.dtype(dtype)} (global, sharded over "
-                f"mesh axis {axis!r} of size {tp})"
-            )
+    check_param_arrays(params, tp, f" (global, sharded over mesh axis {axis!r} of size {tp})")
 
 
 def exchange(

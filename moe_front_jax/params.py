@@ -164,6 +164,34 @@ class FrontParams:
         return self.gate_up is not None
 
 
+def check_param_arrays(params: FrontParams, ranks: int, where: str) -> None:
+    """``params``' arrays must have the shapes and dtypes of ``ranks`` ranks' blocks (1: one rank's
+    params; ``tp``: ``shard_params``' global arrays), and the shared expert's two come together.
+
+    Raises:
+      ValueError: naming the array, what it is and what was expected (``where`` ends the message).
+    """
+    if (params.gate_up is None) != (params.down is None):
+        given, missing = ("gate_up", "down") if params.down is None else ("down", "gate_up")
+        raise ValueError(
+            f"params.{given} is given but params.{missing} is None: the shared expert needs both "
+            "(or neither, for a model without one)"
+        )
+    cfg = params.cfg
+    expected = {
+        "packed": ((ranks * (params.split + cfg.latent_per_rank), cfg.hidden), jnp.bfloat16),
+        "bias": ((cfg.experts,), jnp.float32),
+    }
+    if params.gate_up is not None:
+        expected["gate_up"] = ((ranks * 2 * cfg.shared_per_rank, cfg.hidden), jnp.bfloat16)
+        expected["down"] = ((cfg.hidden, ranks * cfg.shared_per_rank), jnp.bfloat16)
+    for name, (shape, dtype) in expected.items():
+        array = getattr(params, name)
+        if array is None or tuple(array.shape) != shape or array.dtype != dtype:
+            got = "None" if array is None else f"{tuple(array.shape)} {array.dtype}"
+            raise ValueError(f"params.{name} is {got}, expected {shape} {jnp.dtype(dtype)}{where}")
+
+
 def rank_rows(cfg: FrontConfig, rank: int, split: int) -> dict[str, tuple[tuple[str | None, int, int], ...]]:
     """The packed layout, written once: for rank ``rank``'s ``packed`` and ``gate_up`` blocks, the
     ``(weight key, first row, end row)`` pieces they stack, in order (key None: zero rows).
