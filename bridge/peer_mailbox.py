@@ -1,61 +1,29 @@
-"""The peer-store publish of the Lamport mailbox: one Mosaic GPU kernel per rank (SPEC.md section 7).
+"""The peer-store publish of the Lamport mailbox: one Mosaic GPU kernel per rank (SPEC section 7).
 
-Rank ``r`` of ``tp`` stores its canonical words straight into generation ``g`` of EVERY rank's mailbox
-(its own included) with plain 4-byte global stores through peer pointers (``plgpu.remote_ref``), and
-each rank then polls only its own mailbox (``triton_mailbox.collect``). No collective, flag,
-semaphore or barrier separates the ranks: the sentinel in the data says what has arrived. Never
-NVLink multicast: each peer gets its own unicast stores.
+``publish(buffer, control, logits, latent_shard, cfg, axis_name)``: rank ``r`` of ``tp`` stores its
+canonical words straight into the next generation of EVERY rank's mailbox, its own included, through
+peer pointers (``plgpu.remote_ref``); each rank then polls only its own (``triton_mailbox.collect``).
+No collective, flag or barrier separates the ranks: the sentinel says what has arrived. Unicast
+stores, never NVLink multicast. ``moe_front_jax.reference.mailbox.publish`` states the same words in
+plain JAX; the design is TensorRT-LLM's Lamport one-shot all-reduce, carrying an all-gather.
 
-Imported only on the GPU path (``mailbox.exchange(..., transport="peer")``). Mosaic GPU lowers on any
-host, so the tests lower this kernel for H200s from the CPU.
+How: inside a ``shard_map`` over one process's devices, ``remote_ref`` reads XLA's collective
+metadata (every device's operand pointers), no NVSHMEM; the buffer is a mutable ``jax.Ref``, aliased
+and donated, so each rank's operand IS its mailbox. At tp = 1 the kernel stores through its own
+operand (a peer reference outside a multi-device mesh needs NVSHMEM, which jax 0.11.2's XLA lacks).
+Launches skip Mosaic GPU's cross-device barrier: with ``G >= 2`` generations a rank's next stores
+land elsewhere (``moe_front_jax.mailbox``'s docstring; ``exchange`` checks ``G >= 2`` for tp > 1).
 
-How Mosaic GPU (jax 0.11.2) reaches a peer's buffer
----------------------------------------------------
-``remote_ref(buffer_ref, {axis: p})`` translates the kernel's ``buffer`` operand to rank ``p``'s
-``buffer`` operand of the same launch. Inside a ``shard_map`` over several devices of ONE process the
-translation reads XLA's *collective metadata* (every device's operand pointers, which XLA gathers for
-a kernel that uses them): no NVSHMEM, no symmetric heap, ordinary device buffers reached over
-NVLink/P2P. The mailbox buffer is passed as a mutable ``jax.Ref`` (aliased in place, donated by the
-caller), so each rank's operand IS its persistent mailbox and a peer's stores land in it. At tp = 1 the
-only peer is the rank itself and the kernel stores through its own operand: Mosaic GPU translates a
-peer reference outside a multi-device mesh with ``nvshmem_ptr``, and the XLA of jax 0.11.2 has no
-NVSHMEM (on the lent H200 such a kernel failed with "UNIMPLEMENTED: NVSHMEM is not supported in XLA",
-and ``--xla_gpu_experimental_enable_nvshmem`` is an unknown flag there). The tp = 1 kernel is
-otherwise the same code (one destination instead of ``tp``).
+Kernel: ``ceil(B * n / 128)`` blocks of one warpgroup; thread ``i`` owns word ``i`` of the flat
+``[B, n]`` shard (``n = L / (2 tp) + E / tp``, latent words then logits), canonicalizes it and stores
+it at its column of generation ``(control[0] + 1) mod G`` of each of the ``tp`` mailboxes; thread 0
+writes ``control[1]`` and a zero status. 4-byte stores: a rank's columns need not be chunk-aligned.
 
-Each launch skips the cross-device barrier Mosaic GPU puts before communicating kernels
-(``skip_device_barrier``): the generations make it unnecessary (``mailbox``'s docstring, point 2:
-with ``G >= 2`` a rank's step-``t + 1`` stores land in another generation, and its step-``t + G``
-stores come after every peer re-armed step ``t``). ``exchange`` checks ``G >= 2`` for ``tp > 1``.
-
-Kernel
-------
-Grid ``ceil(B * n / 128)`` blocks of one warpgroup (128 threads); thread ``i`` owns word ``i`` of the
-flat ``[B, n]`` shard, ``n = L / (2 tp) + E / tp`` words per row (latent words first, then logits):
-it loads the word, canonicalizes it (a bfloat16 -0 in either half of a latent word becomes +0, a
-float32 -0.0 logit becomes +0.0, so no word is the sentinel), reads ``g = (control[0] + 1) mod G``,
-and stores the word at row ``b`` of generation ``g`` of each of the ``tp`` mailboxes: latent word
-``w`` at column ``r * L / (2 tp) + w``, logit ``e`` at ``L / 2 + r * E / tp + e``. Thread 0 of block
-0 writes ``control[1] = g`` (a word no thread reads) and the status word 0 for the collect. The stores
-are 4 bytes because a rank's columns need not start on a 16-byte chunk: the reader polls every word.
-
-Bytes per call and rank: reads ``B (L / tp * 2 + E / tp * 4) = B (2L + 4E) / tp`` bytes and the
-control word; writes that many bytes into each of the ``tp`` mailboxes (``(tp - 1) / tp`` of the row
-over NVLink), ``B (2L + 4E)`` in all. No FLOPs. Kimi-K3 (``2L + 4E = 10752`` bytes a row): at B = 64
-and tp = 8 a rank reads 86 KB and stores 688 KB, 602 KB of it to peers, about 1.3 us at the H200's
-~450 GB/s of NVLink per direction.
-
-Measured (one H200, tp = 1, CUPTI, ``bench_mailbox.py --transports``, 2026-12-03): the exchange by
-peer stores (this kernel and the collect) took 2.34, 2.56 and 3.68 us at B = 1, 8 and 64, the
-jax-triton publish and collect 2.34, 2.40 and 3.14 us, and the XLA all-gather path (at tp = 1 two
-slice fusions, no communication) 1.71, 1.86 and 3.33 us. So the peer transport stays opt-in; at
-tp > 1 it is unmeasured (no multi-GPU machine lent).
-
-Reference: the Lamport "one-shot" all-reduce buffers of TensorRT-LLM (each rank writes its slice into
-every peer's buffer through IPC pointers, readers spin on a -0.0 sentinel and reset the buffer), here
-carrying an all-gather; ``mailbox.publish`` is the plain-JAX statement of the same words.
+Cost per call and rank: reads ``B (2L + 4E) / tp`` bytes and writes that many into each of the ``tp``
+mailboxes, ``(tp - 1) / tp`` of it over NVLink; no FLOPs. K3 at B = 64, tp = 8: 602 KB to peers, a
+floor of about 1.3 us at ~450 GB/s. At tp = 1 on the H200, publish and collect took 2.34-3.68 us at
+B = 1-64 against XLA's all-gather path's 1.71-3.33 (docs/findings.md): opt-in; tp > 1 unmeasured.
 """
-
 from __future__ import annotations
 
 import functools

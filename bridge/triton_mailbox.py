@@ -1,29 +1,27 @@
-"""The Lamport mailbox on the GPU: jax-triton kernels for publish and collect (SPEC.md section 7).
+"""The Lamport mailbox on the GPU: jax-triton kernels for publish and collect (SPEC section 7).
 
-Imported only on the GPU path (``moe_front_jax.bridge.mailbox`` picks it): jax-triton 0.3.1 cannot
-be imported without a GPU jaxlib, and ``jax_triton`` is imported inside the wrappers so that the
-kernels themselves can be compiled for an H200 by Triton alone, on a host without a GPU.
+``publish`` writes one device's logits ``[B, E]`` float32 and latent ``[B, L]`` bfloat16 into the
+next generation's rows, canonicalized; ``collect`` polls those rows until no word holds the
+sentinel (at most ``TRITON_COLLECT_SPIN_LIMIT`` polls, then ``TIMEOUT`` in ``status``), copies
+them out and re-arms them: ``moe_front_jax.reference.mailbox.publish`` and ``.collect``, bit for bit.
+The layout is that module's; why the immediate re-arm is safe, ``moe_front_jax.mailbox``'s.
 
-Why jax-triton: the protocol needs raw pointers into a buffer that persists across calls and is
-updated in place (``input_output_aliases``), volatile 16-byte loads that re-read memory another
-writer may change while the kernel runs, and a spin loop bounded by a count rather than by a shape;
-``triton_call`` gives all three directly, over the row as flat 16-byte chunks. Pallas' Triton lowering
-has them too in jax 0.11.2 (``plgpu.load(..., volatile=True)``, ``lax.while_loop``): with
-``plan=True`` the routing kernel polls the mailbox itself (``pallas/route_collect.py``).
+Why jax-triton: the protocol needs raw pointers into a buffer updated in place across calls
+(``input_output_aliases``), volatile 16-byte loads of memory another writer may change while the
+kernel runs, and a spin loop bounded by a count. ``triton_call`` gives all three over the row as flat
+16-byte chunks. ``jax_triton`` is imported inside the wrappers (it needs a GPU jaxlib), so the
+kernels compile for an H200 with Triton alone on a host without a GPU. With ``plan=True`` the routing
+kernel polls the mailbox itself (``pallas/route_collect/kernel.py``).
 
-The layout, the sentinel, the generations, the control words and the safety argument of the immediate
-re-arm are in ``mailbox``'s docstring. Both kernels run one program per (block of ``BLOCK_CHUNKS``
-16-byte chunks, row); each thread owns whole chunks, so each load and store of the row is a 16-byte
-vector access. Neither kernel uses an atomic: publish zeroes the status word that collect's timed-out
-programs set, and each kernel writes only control words it does not read.
+Both kernels run one program per (block of ``BLOCK_CHUNKS`` 16-byte chunks, row); each thread owns
+whole chunks, so every access is a 16-byte vector. No atomics: publish zeroes the status word that
+collect's timed-out programs set, and each kernel writes only control words it does not read.
 
-Byte counts per row, for ``L`` latent columns and ``E`` experts (a row is ``2L + 4E`` bytes, 10752 for
-Kimi-K3): publish reads ``2L + 4E`` bytes of logits and latent and writes as many into the mailbox;
-collect reads the row, writes it out and re-arms it, ``3 (2L + 4E)``. No FLOPs. At B = 64 the two
-kernels move 3.4 MB, 1.0 us at the H200's 3.36 TB/s copy ceiling: at decode batch sizes they cost
-their launch and the dependency between them, not bandwidth.
+Cost per row, ``2L + 4E`` bytes (10752 for K3): publish reads and writes that many; collect reads the
+row, writes it out and re-arms it, ``3 (2L + 4E)``. No FLOPs. At B = 64 the two move 3.4 MB, a floor
+of 1.0 us at the H200's 3.36 TB/s copy ceiling: at decode batches they cost their launches and the
+dependency between them, not bandwidth.
 """
-
 from __future__ import annotations
 
 import jax
@@ -37,12 +35,11 @@ BLOCK_CHUNKS = 256
 """16-byte chunks per program, two per thread of ``NUM_WARPS`` warps (the best of 32..256 on the H200
 at B = 256, equal at B <= 64)."""
 NUM_WARPS = 4
-SPIN_LIMIT = 1 << 16
-"""Polls of a chunk block before the collect gives up and reports ``TIMEOUT``. On the H200 at
-``1 << 17`` a never-published collect returned after 54-93 ms (B = 1 to 256) while a poll read the
-status word in one thread, and after 84 ms (B = 1) and 588 ms (B = 256) once the whole block
-reduced it (every warp deciding alike); at ``1 << 16``, 42 ms and 289 ms, well under the 1 s bound
-(benchmarks/RESULTS.md, fourth session)."""
+TRITON_COLLECT_SPIN_LIMIT = 1 << 16
+"""Polls of a chunk block before the jax-triton collect reports ``TIMEOUT``: on the H200 a
+never-published collect gave up after 42 ms (B = 1) and 289 ms (B = 256), well under a second
+(588 ms at B = 256 with ``1 << 17``; docs/findings.md). ``route_collect`` sets its own count
+(``ROUTE_COLLECT_SPIN_LIMIT``) by timing its own timeout."""
 
 _SENTINEL = tl.constexpr(mb.SENTINEL)
 
@@ -203,7 +200,7 @@ def publish(
 
 def collect(
     buffer: jax.Array, control: jax.Array, status: jax.Array, batch: int, cfg,
-    spin_limit: int = SPIN_LIMIT,
+    spin_limit: int = TRITON_COLLECT_SPIN_LIMIT,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Poll, copy out and re-arm rows ``[0, batch)`` of the generation last published, in place:
     ``reference.mailbox.collect``.

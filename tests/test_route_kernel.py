@@ -1,6 +1,8 @@
 """The Pallas routing kernel: interpret mode against the reference and the numpy oracle on every SPEC
-edge case and on random rows, a seeded property loop over thousands of adversarial rows, lowering
-for an H200 from the CPU host, and on a GPU against the XLA reference on the same device."""
+edge case and on random rows, a seeded property loop over thousands of adversarial rows, weights
+correctly rounded (a row at a bf16 midpoint, through ``route`` and ``route_collect``, and 73,728
+random rows bit-equal to the reference), the schedule table, lowering for an H200 from the CPU host,
+and on a GPU against the XLA reference on the same device."""
 
 import dataclasses
 import functools
@@ -11,9 +13,11 @@ import numpy as np
 import pytest
 
 import moe_front_jax as mf
-from moe_front_jax import backends, reference
-from moe_front_jax.pallas import route as rt
-from h200 import H200, lower_for_h200
+from moe_front_jax import dispatch, reference
+from moe_front_jax.reference import mailbox as reference_mailbox
+from moe_front_jax.pallas.route import kernel as rt
+from moe_front_jax.pallas.route_collect import kernel as rc
+from h200 import lower_for_h200
 import oracle
 
 K3 = mf.KIMI_K3
@@ -243,6 +247,76 @@ def test_random_rows(name, batch, select):
     check(logits, bias, cfg, config)
 
 
+# --- correctly rounded weights in interpret mode -----------------------------------------------------
+
+# A row whose first weight, 0.9977603 / 15.902046 = 0.0627441406..., lies within a float32 ulp of the
+# bf16 midpoint between 0.0625 and 0.06298828125: multiplying by the reciprocal of the sum, or summing
+# the 16 sigmoids in another order than the tree, rounds it to 0.0625.
+ROUNDING_ROW = [
+    6.09917688369751, 5.819621562957764, 5.649019241333008, 5.522195816040039, 5.414166927337646,
+    5.230618476867676, 5.156827926635742, 5.138970375061035, 5.071669578552246, 4.932782173156738,
+    4.913704872131348, 4.859700679779053, 4.756407737731934, 4.727040767669678, 4.70028829574585,
+    4.671489238739014,
+]
+E16 = mf.FrontConfig(hidden=1, experts=16, top_k=16, latent=1, shared=0, plan_block=1)
+E16_MAILBOX = dataclasses.replace(E16, latent=2)  # the mailbox packs latent columns in pairs
+
+
+def assert_weight_bits(got, want):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_weights_correctly_rounded_on_the_rounding_row(select):
+    """SPEC section 4's division, correctly rounded, through ``mf.route`` on "interpret" and "xla"."""
+    logits = jnp.asarray([ROUNDING_ROW], jnp.float32)
+    bias = jnp.zeros((E16.experts,), jnp.float32)
+    want = np.asarray([0.06298828125], jnp.bfloat16)
+    xla_ids, xla_weights = jax.jit(lambda l, b: mf.route(l, b, E16, backend="xla"))(logits, bias)
+    ids, weights = interpret(logits, bias, cfg=E16, config=rt.RouteConfig(1, 1, select))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(xla_ids))
+    np.testing.assert_array_equal(np.asarray(ids)[0], np.arange(16))
+    assert_weight_bits(xla_weights[0, :1], want)
+    assert_weight_bits(weights, xla_weights)
+    via_dispatch = jax.jit(lambda l, b: mf.route(l, b, E16, backend="interpret"))(logits, bias)
+    assert_weight_bits(via_dispatch[1], xla_weights)
+
+
+def test_weights_correctly_rounded_through_route_collect(select):
+    """The same row collected from the mailbox and routed by ``route_collect``."""
+    cfg = E16_MAILBOX
+    box = mf.Mailbox.create(cfg, capacity=1)
+    logits = jnp.asarray([ROUNDING_ROW], jnp.float32)
+    latent = jnp.zeros((1, cfg.latent), jnp.bfloat16)
+    buffer, control, status = reference_mailbox.publish(box.buffer, box.control, logits, latent, 0,
+                                                        cfg)
+    bias = jnp.zeros((cfg.experts,), jnp.float32)
+
+    @jax.jit
+    def collect_route(buffer, control, status):
+        return rc.route_collect(buffer, control, status, bias, 1, cfg, interpret=True,
+                                config=rt.RouteConfig(1, 1, select))
+
+    ids, weights, got_logits, *_ = collect_route(buffer, control, status)
+    np.testing.assert_array_equal(np.asarray(got_logits), np.asarray(logits))
+    np.testing.assert_array_equal(np.asarray(ids)[0], np.arange(16))
+    assert_weight_bits(weights[0, :1], np.asarray([0.06298828125], jnp.bfloat16))
+    assert_weight_bits(weights, reference_route(logits, bias, cfg)[1])
+
+
+@pytest.mark.parametrize("name, rows, block_rows", [("e16", 1 << 16, 4096), ("k3", 1 << 13, 256)])
+def test_weights_equal_the_reference_on_many_rows(name, rows, block_rows):
+    """Interpret's weight bits equal the reference's on every row: 2^16 rows of 16 experts (where
+    XLA's reciprocal and merged sum changed 7 weights) and 8192 K3 rows (1 weight)."""
+    cfg = {"e16": E16, "k3": K3}[name]
+    rng = np.random.default_rng(36)
+    logits = jnp.asarray(rng.normal(0, 2, (rows, cfg.experts)).astype(np.float32))
+    bias = jnp.asarray(rng.uniform(-0.05, 0.05, cfg.experts).astype(np.float32))
+    ids, weights = interpret(logits, bias, cfg=cfg, config=rt.RouteConfig(block_rows, 4, "groups"))
+    want_ids, want_weights = reference_route(logits, bias, cfg)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    assert_weight_bits(weights, want_weights)
+
+
 def adversarial_rows(rng, rows, experts):
     """Rows drawn to make ties and specials likely: logits from a few values (many bit-equal keys),
     NaN, +-inf, +-0.0, and normals; biases from a few values, NaN, +-inf and -0.0 too."""
@@ -354,11 +428,12 @@ def test_grouped_plans_in_the_kernel(experts, k, group, width):
 
 
 def test_registered_behind_route_and_moe_front():
-    assert backends.KERNELS["route"] == "moe_front_jax.pallas.route:route"
-    assert "route" not in backends.PENDING and "route" not in backends.AUTO_PREFERS_XLA
-    fn = backends.stage("route", "interpret")
-    assert fn.func is rt.route and fn.keywords == {"interpret": True}
-    assert backends.stage("route", "pallas").keywords == {"interpret": False}
+    stage = dispatch.STAGES["route"]
+    assert stage.kernel == "moe_front_jax.pallas.route:route" and stage.auto == dispatch.ALWAYS
+    logits = jnp.zeros((5, K3.experts), jnp.float32)
+    bias = jnp.zeros((K3.experts,), jnp.float32)
+    assert dispatch.choose("route", "interpret", logits, bias, K3).kernel
+    assert not dispatch.choose("route", "xla", logits, bias, K3).kernel
     rng = np.random.default_rng(5)
     logits = jnp.asarray(rng.normal(0, 2, (5, K3.experts)).astype(np.float32))
     bias = jnp.asarray(rng.uniform(-0.05, 0.05, K3.experts).astype(np.float32))
@@ -391,9 +466,24 @@ def test_lowers_for_h200_as_one_kernel(name, batches, select):
         assert text.count("__gpu$xla.gpu.triton") == 1
         for op in ("stablehlo.sort", "top_k", "stablehlo.gather", "stablehlo.divide", "logistic"):
             assert op not in text, (name, batch, op)
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+
+
+@pytest.mark.parametrize("kind", ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"])
+def test_schedule_table_from_tuning_data(kind):
+    """``pallas/tuning/nvidia-h200/route.json``: 8 warps up to B=64, 4 up to 256, the groups
+    selection; the H100 borrows it (``device.TABLES_OF``); past 256 rows, other shapes and other
+    devices take the heuristic."""
+    narrow, wide = rt.RouteConfig(1, 8, "groups"), rt.RouteConfig(1, 4, "groups")
+    assert rt.load_table("NVIDIA H200") == {rt.table_key(896, 16): ((64, narrow), (256, wide))}
+    heuristic = rt.heuristic_config(1, 896, 16)
+    tabled = kind != "NVIDIA A100-SXM4-80GB"
+    device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
-        assert rt.pick_config(64, 896, 16) in [c for _, c in rt.H200_TABLE[896, 16]]
+        for batch, want in [(1, narrow), (64, narrow), (65, wide), (256, wide)]:
+            assert rt.pick_config(batch, 896, 16) == (want if tabled else heuristic), batch
+        assert rt.pick_config(257, 896, 16) == rt.heuristic_config(257, 896, 16)
+        assert rt.pick_config(1, 256, 8) == rt.heuristic_config(1, 256, 8)
 
 
 def test_heuristic_and_config_errors():

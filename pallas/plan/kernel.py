@@ -1,48 +1,28 @@
-"""The MXFP8 plan of a latent as one Pallas kernel (SPEC section 5), and the plan's tile math.
+"""The MXFP8 plan of a latent as one Pallas Triton kernel (SPEC section 5), and its tile math.
 
 ``plan(latent, block)`` quantizes each row of ``latent`` ``[B, L]`` bfloat16 in blocks of ``block``
-consecutive elements, exactly as ``reference.mxfp8_plan``:
+elements, as ``reference.mxfp8_plan`` does, bit for bit:
 
     amax   = max |v| over the block                  (integer max of the magnitude bits)
     scale  = amax / 448 rounded up to a power of two  E8M0 byte ``reference.plan_scale_exponent``
     values = e4m3(clamp(v * (1 / scale), -448, 448))  round to nearest even; inverse 0 for byte 0
 
-and returns values float8_e4m3fn ``[B, L]`` and scales float8_e8m0fnu ``[B, L / block]``. The front
-GEMM's epilogue (``front_gemm.front_gemm_plan``) writes the same plan from its tiles through
-``quantize_tile``; this kernel is for a latent that arrives some other way (the mailbox's collect,
-the all-gather of tensor parallelism).
+returning values float8_e4m3fn ``[B, L]`` and scales float8_e8m0fnu ``[B, L / block]``. The tile math
+(``quantize_tile``, ``quantize_word_tile``) also serves the front GEMM's epilogue
+(``moe_front_jax.pallas.front_gemm``) and ``pallas/route_collect/kernel.py``; this kernel plans a
+latent that arrives otherwise (the plain collect, tensor parallelism's all-gather).
 
-Schedule. The plan is blockwise and the latent row-major, so the kernel views ``[B, L]`` as
-``B * L / width`` segments of ``width`` contiguous elements (``width`` a power-of-two multiple of
-``block`` that divides ``L``: 512 for K3 at tp1, 64 at tp8, whose ``L = 448 = 7 * 64``) and each
-program quantizes ``block_rows`` consecutive segments: one contiguous ``block_rows * width * 2``-byte
-load, the block maxima within a segment (a reduction across the few threads that hold a block), the
-scaling, one store of values and one of scale bytes. Reshapes on either side are free (row-major
-views). There is no loop: at decode batches the whole latent is at most 2.8 MB, so the kernel is one
-wave of programs bound by launch and one memory round trip, not by bandwidth. ``heuristic_config``
-gives each SM a program once there are enough segments (224 programs at B=256) and, at B=1, one
-segment per program (7 programs for K3 at any tp) so that no program serializes more than one load.
+Schedule: ``[B, L]`` viewed as ``B * L / width`` contiguous segments (``width`` a power-of-two
+multiple of ``block`` dividing ``L``: 512 for K3 at tp1, 64 at tp8); a program quantizes
+``block_rows`` segments with one load, a block max, one store of values and one of scale bytes. No
+loop: at decode batches it is one wave. Triton has no E8M0 type, so scales are written as bytes and
+bitcast by XLA (no kernel).
 
-Backend: Pallas' Triton lowering (as the other kernels; deprecated in jax 0.11 but working): a masked
-2-D load, a row reduction and a float8 conversion (``cvt.rn.satfinite`` on Hopper, nearest even; the
-clamp before it makes the saturation moot) are all it needs. Triton has no E8M0 type, so the kernel
-writes the scales as bytes and XLA reinterprets them in place (a bitcast, no kernel).
-
-Cost per call (``n = B * L`` elements):
-  bytes  = 2 * n            latent read
-         + n                values written (float8)
-         + n / block        scale bytes written
-         = (3 + 1 / block) * n: 10.9 KB a row at tp1 (L = 3584), 1.36 KB at tp8 (L = 448); 2.78 MB at
-           B = 256, tp1, which is 0.6 us at the H200's 4.65 TB/s read ceiling.
-  FLOPs  = about 6 * n: a magnitude mask and a max per element, two multiplies, two compares; a few
-           integer ops per block for the scale. No tensor-core work.
-``plan_bytes`` gives the byte count.
-
-Measured (H200, CUPTI, 2026-12-03, benchmarks/RESULTS.md): 0.93-1.15 us at B <= 64 and 1.1-2.1 us at
-B = 256, at tp1 and tp8, bit-equal to and 2.5-3.6x faster than XLA's jitted ``reference.mxfp8_plan``;
-the best schedule of a sweep beat ``heuristic_config`` by at most 0.08 us.
+Cost per call (``plan_bytes``, ``n = B * L``): 2n read + n values + n / block scale bytes, 10.9 KB a
+row at tp1; 2.78 MB at B = 256, a floor of 0.6 us at 4.65 TB/s. FLOPs: about 6n, no tensor cores.
+Measured on the H200: 0.93-1.15 us at B <= 64, 1.1-2.1 at 256, 2.5-3.6x XLA's plan; a schedule
+sweep beat ``heuristic_config`` by 0.08 us at most, so no table ships (docs/findings.md).
 """
-
 from __future__ import annotations
 
 import dataclasses

@@ -1,86 +1,29 @@
-"""Exact top-k routing as one Pallas kernel (SPEC section 4).
+"""Exact top-k routing as one Pallas Triton kernel (SPEC section 4).
 
-``route(logits, bias, cfg)`` returns, for each row of ``logits`` ``[B, E]`` float32,
+``route(logits, bias, cfg)``: per row of ``logits`` ``[B, E]`` float32, ``s = sigmoid(logits)``,
+``key = s + bias``, ``ids`` the ``top_k`` experts by ``ordered(key)`` (ties to the lower id, NaN
+lowest, always ``top_k`` distinct ids), ``weights = bf16((s[ids] * scale) / (tree_sum + 1e-20))``:
+``reference.route``'s ids and weight bits.
 
-    s      = sigmoid(logits)                       float32, 1 / (1 + exp(-x))
-    key    = s + bias                              float32
-    ids    = the top_k experts by ordered(key)     ties to the lower id, NaN keys lowest
-    w      = s[ids], NaN -> 0
-    weights = bf16((w * scale) / (tree_sum(w) + 1e-20))   (bf16(w * scale) without renormalize)
+Schedule. A program holds ``block_rows`` rows in registers, padded with masked lanes to ``lanes``,
+the next power of two (896 -> 1024). Keys become order-preserving int32 (NaN ``NAN_KEY``, padding and
+chosen lanes ``PAD_KEY``, both below every number). Two selections find the same ids: ``"argmax"``
+(``select_ranked``: ``top_k`` dependent argmax rounds, ties to the lower lane) and ``"groups"``
+(``select_grouped``: group maxima ranked pairwise, the best groups narrowed twice; 8 reductions for
+K3 against argmax's 16 rounds), which the table and the heuristic pick. The weights gather the chosen logits
+back, recompute their sigmoids and divide by their pairwise tree sum.
 
-exactly as ``reference.route`` (the tree sum pairs slots ``((w0+w1)+(w2+w3))+...``; the division is
-correctly rounded).
+Why Pallas' Triton lowering: its ``argmax`` is the (value, index) reduction the selection needs, and
+Mosaic GPU has no argmax, sort or cumsum in jax 0.11.2. Triton lowers float32 ``/`` to the approximate
+``div.full.f32``, so both divisions are inline ``div.rn.f32`` (``_div``). In interpret mode the body
+runs as XLA, with barriers that keep its simplifier from reordering the tree sum or the division.
 
-Schedule. One program per block of ``block_rows`` rows (one row at decode batches, so a B=256 call
-spreads over 256 programs on the 132 SMs). A program loads its rows whole, ``E`` experts padded with
-masked lanes to ``lanes``, the next power of two (896 -> 1024), and keeps them in registers. Each key
-becomes an order-preserving int32: the float bits ``b`` as they are for ``b >= 0``, ``b ^ 0x7FFFFFFF``
-for negative floats (the SPEC's uint32 ``ordered`` with its top bit flipped); NaN maps to
-``INT32_MIN + 1``, below every number, and the padding lanes to ``INT32_MIN``, below NaN (no float
-maps to the ordered values in between, so the order of real keys is untouched). Then one of two
-selections. ``"argmax"`` (``select_ranked``): ``top_k`` rounds, unrolled, each one ``argmax`` over the row, which Pallas' Triton lowering reduces as (value, index)
-pairs keeping the lower index on equal values: that is rank ``r``'s expert, exactly the SPEC's order
-(key descending, id ascending), with no sort, no threshold and no compaction. The chosen lane is set
-to ``INT32_MIN`` before the next round; since ``E >= top_k`` real lanes sit above ``INT32_MIN``, every
-round picks a new real expert: ``top_k`` distinct ids in ``[0, E)`` for any input, an all-NaN row
-included. The weights gather the chosen experts' logits back (``top_k`` loads per row, from L1/L2),
-recompute their sigmoids, sum them as the SPEC's pairwise tree over the ``slots`` lanes (``top_k``
-padded to a power of two with zeros) and divide.
-
-``"groups"`` (``select_grouped``, what the H200 table and the heuristic pick) finds the same ids,
-exactly, with a fixed handful of reductions instead of ``top_k`` dependent rounds. The row
-is cut into groups of ``S`` consecutive lanes (16 for K3: 64 groups); the group maxima are ranked by
-a pairwise ``[64, 64]`` comparison (equal maxima to the lower group), and only the ``slots`` best
-groups can hold the top ``top_k`` (were a top lane in a group ranked lower, the maxima of the
-``top_k`` groups above would all beat it). Their lanes (``[16, 16]`` for K3) are loaded again and
-keyed with the same ``ordered_keys`` (the same bits), cut into runs of 4 lanes whose maxima are
-ranked the same way (``[64, 64]``), the 16 best runs' lanes loaded and keyed again, and those 64
-candidates ranked by key, then lane (``[64, 64]``); the ids come out by rank. Each rank-to-slot move
-is a masked sum (``[64, 16]``). The loads again (320 logits and as many biases a row for K3) come
-from L1/L2; ``route_bytes`` counts argmax's traffic. ``group_plan`` picks the sizes for any
-``(E, top_k)`` (``S = lanes / (4 * slots)``, runs a quarter as wide while wider than 4;
-``RouteConfig.group`` and ``.width`` override them) and falls back to argmax where groups cannot
-work. Compiled for sm_90 with Triton 3.6 from the lowered Triton IR (``benchmarks/route_sm90.py``;
-static counts), the one-row K3 kernel with 4 warps has 20 barriers and 1984 SASS instructions
-against argmax's 51 and 2336, no spills.
-
-Backend: Pallas' Triton lowering (``pl.pallas_call`` with ``jax.experimental.pallas.triton``
-compiler params; deprecated in jax 0.11 but working). The kernel is a chain of row reductions over a
-register-resident row: Triton's ``argmax`` lowering (a (value, index) reduction within threads, warp
-shuffles, then shared memory across warps) is exactly the primitive it needs, and masked loads
-handle the non-power-of-two expert count. Mosaic GPU (``plgpu.kernel``) has no argmax, sort or
-cumsum in 0.11.2: the same selection would be hand-written warp shuffles. On the GPU two operations
-use inline PTX: Triton lowers float32 ``/`` to the approximate ``div.full.f32``, so both divisions
-(the sigmoid's and the renormalization, which the SPEC asks correctly rounded) use ``div.rn.f32``;
-interpret mode uses XLA's division, which is correctly rounded on the CPU. ``exp`` is libdevice's
-``__nv_expf`` on the GPU and XLA's on the CPU, where the kernel's sigmoid is bit-equal to the
-reference's (XLA expands ``logistic`` to the same ``1 / (1 + exp(-x))``).
-
-Cost per call:
-  bytes  = 4 * B * E          logits read (896 experts: 3584 bytes a row)
-         + 4 * E              bias, read by every program (from L2 after the first)
-         + 4 * B * top_k      the chosen logits read again (from L1/L2)
-         + 6 * B * top_k      ids (int32) and weights (bfloat16) written
-  FLOPs  = B * E * (sigmoid + add + ~6 integer ops per argmax round * top_k)
-so the kernel is latency-bound, not bandwidth-bound: 3.7 KB a row is 0.8 ns of HBM time at 4.65 TB/s,
-while the ``top_k`` dependent reductions take microseconds. ``route_bytes`` gives the byte count.
-
-Measured (H200, CUPTI, 2026-12-03, benchmarks/RESULTS.md), with the table's schedules: 3.33 us at
-B=1, 3.55 at B=64, 4.51 at B=256 with the groups selection, 3.6-3.9x faster than the XLA reference
-route in the same run; short of issue #3's 3.0 us up to B=64 and of 4x, within its 5.0 us at 256.
-The argmax selection's best schedules took 4.48-4.64 us at B <= 64 and 5.82 at 256: the chain of
-``top_k`` (value, index) reductions, each one a sequential in-thread combine, warp shuffles and a
-shared-memory round across warps. The groups selection's 8 reductions and 2 dependent reloads still
-leave it about three times the 1 us a kernel that loads a row and stores a result costs here (the
-plan kernel's 0.93 us). A radix select (the ``top_k``-th key found MSB-first by packed integer counts,
-then the chosen lanes compacted by cumsum and masked sums and ranked by a ``[top_k, top_k]``
-comparison; commit 99a6d6f, reverted) was measured in the same run and was slower at every batch and
-schedule: 4.8-21.9 us, best 4.77 at B=1 with 4 warps, 2-bit digits and an early exit. Packing key
-and lane into one int64 (one integer max a round) was 0.5-1 us slower. Triton's own bitonic
-``tl.topk`` over the packed keys, outside Pallas (``benchmarks/route_topk_proto.py``, jax-triton),
-took 3.6-3.7 us at B <= 64 with 8 warps: faster, still short of 3 us, and GPU-only.
+Cost per call (``route_bytes``): 4BE logits + 4E bias + 4BK chosen logits again (L1/L2) + 6BK ids and
+weights, 3.7 KB a K3 row (0.8 ns at 4.65 TB/s); FLOPs about B * E * (sigmoid, add, a few integer
+compares per reduction). Latency-bound: the floor is a launch, a load and a store, about 1 us (the
+plan kernel's 0.93). Measured on the H200 with ``pallas/tuning/nvidia-h200/route.json``'s schedules:
+3.33 us at B=1, 3.55 at 64, 4.51 at 256, 3.6-3.9x XLA's route (docs/findings.md).
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -94,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_front_jax import reference
 from moe_front_jax.config import FrontConfig
-from moe_front_jax.pallas.device import table_kinds
+from moe_front_jax.pallas.device import table_kinds, tuning_entries
 
 MAX_LANES = 4096
 """Widest padded row a program holds in registers (E up to 4096 experts)."""
@@ -156,13 +99,21 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-# Measured on the H200 (benchmarks/bench_route.py --sweep, 2026-12-03, third session): (experts,
-# top_k) -> [(largest batch, config)]. One row a program, the groups selection throughout: 8 warps up
-# to B=64 (3.33-3.55 us, against argmax's best 4.48-4.64), 4 above (4.51 us at B=256; 4.93 with 8).
-H200_TABLE: dict[tuple[int, int], list[tuple[int, RouteConfig]]] = {
-    (896, 16): [(64, RouteConfig(1, 8, "groups")), (256, RouteConfig(1, 4, "groups"))],
-}
-TABLES = {"NVIDIA H200": H200_TABLE}
+def table_key(experts: int, top_k: int) -> str:
+    """Key of a ``route.json`` entry."""
+    return f"experts={experts},top_k={top_k}"
+
+
+@functools.cache
+def load_table(kind: str) -> dict[str, tuple[tuple[int, RouteConfig], ...]]:
+    """Device ``kind``'s schedule table, ``pallas/tuning/<kind_folder(kind)>/route.json``:
+    ``table_key`` -> ``((largest batch, config), ...)`` by increasing batch; empty where the kind
+    has none."""
+    return {
+        key: tuple(sorted(((s["max_batch"], RouteConfig(**s["config"])) for s in entry["schedules"]),
+                          key=lambda item: item[0]))
+        for key, entry in tuning_entries(kind, "route").items()
+    }
 
 
 def heuristic_config(batch: int, experts: int, top_k: int) -> RouteConfig:
@@ -177,7 +128,7 @@ def pick_config(batch: int, experts: int, top_k: int) -> RouteConfig:
     """The device's table entry for this shape (its own table's, else the one it borrows,
     ``device.TABLES_OF``), else ``heuristic_config``."""
     for kind in table_kinds():
-        for limit, config in TABLES.get(kind, {}).get((experts, top_k), []):
+        for limit, config in load_table(kind).get(table_key(experts, top_k), []):
             if batch <= limit:
                 return config
     return heuristic_config(batch, experts, top_k)
@@ -189,10 +140,14 @@ def route_bytes(batch: int, experts: int, top_k: int) -> int:
 
 
 def _div(x, y, interpret: bool):
-    """Correctly rounded float32 ``x / y`` (Triton's own ``/`` is approximate on the GPU)."""
-    if interpret:
-        return x / y
+    """Correctly rounded float32 ``x / y`` (Triton's own ``/`` is approximate on the GPU).
+
+    In interpret mode the body runs as XLA, whose simplifier turns a division by a broadcast into a
+    multiplication by the reciprocal, which rounds differently: the full-shape denominator goes
+    through ``lax.optimization_barrier``, as in ``reference.routing``."""
     x, y = jnp.broadcast_arrays(x, y)
+    if interpret:
+        return x / lax.optimization_barrier(y)
     [out] = plgpu.elementwise_inline_asm(
         "div.rn.f32 $0, $1, $2;",
         args=[x, y],
@@ -208,11 +163,14 @@ def _sigmoid(x, interpret: bool):
     return _div(one, one + jnp.exp(-x), interpret)
 
 
-def _tree_sum(w):
+def _tree_sum(w, interpret: bool):
     """Pairwise sum over the last axis (a power of two): ``((w0+w1)+(w2+w3))+...``, keeping it as a
-    size-1 axis."""
+    size-1 axis. In interpret mode a barrier follows each level: XLA would merge the chained
+    reductions into one sequential sum, which rounds differently."""
     while w.shape[-1] > 1:
         w = jnp.sum(w.reshape(*w.shape[:-1], w.shape[-1] // 2, 2), axis=-1)
+        if interpret:
+            w = lax.optimization_barrier(w)
     return w
 
 
@@ -371,7 +329,7 @@ def routing_weights(chosen, slot, cfg: FrontConfig, interpret: bool):
         w = jnp.where(slot < cfg.top_k, w, jnp.float32(0))
     scaled = w * jnp.float32(cfg.routed_scaling_factor)
     if cfg.renormalize:
-        total = _tree_sum(w) + jnp.float32(reference.RENORM_EPSILON)
+        total = _tree_sum(w, interpret) + jnp.float32(reference.RENORM_EPSILON)
         scaled = _div(scaled, jnp.broadcast_to(total, scaled.shape), interpret)
     return scaled.astype(jnp.bfloat16)
 

@@ -2,11 +2,12 @@
 (SPEC sections 4, 5 and 7)."""
 
 from moe_front_jax.pallas.route_collect.kernel import (
-    SPIN_LIMIT,
+    ROUTE_COLLECT_SPIN_LIMIT,
     covers,
     fuses_plan,
     route_collect,
     route_collect_bytes,
 )
 
-__all__ = ["SPIN_LIMIT", "covers", "fuses_plan", "route_collect", "route_collect_bytes"]
+__all__ = ["ROUTE_COLLECT_SPIN_LIMIT", "covers", "fuses_plan", "route_collect",
+           "route_collect_bytes"]

@@ -1,66 +1,28 @@
-"""The routing kernel that polls the Lamport mailbox: collect and route in one pass (SPEC sections 4, 7).
+"""Collect and route in one launch: the routing kernel that polls the mailbox (SPEC 4, 5 and 7).
 
-``route_collect(mailbox, status, bias, batch)`` does, for each row ``[0, batch)`` of the generation
-last published, what ``mailbox.collect`` followed by ``route.route`` does, in one Pallas kernel:
+``route_collect(buffer, control, status, bias, batch, cfg)`` returns, for rows ``[0, batch)`` of the
+generation last published, what ``reference.mailbox.collect`` then ``route.route`` return (the same
+ids, weight bits, logits and latent words), re-arms the rows with the sentinel and records the
+generation read in ``control[0]``; with ``with_plan``, also the MXFP8 plan of the latent from the
+same registers (``plan.quantize_word_tile``): the latent is read once.
 
-1. load the row's data words (volatile loads: every poll re-reads memory a publisher may still be
-   writing) and count those still holding the sentinel; while any does, poll again, at most
-   ``spin_limit`` times; a row still holding one then sets ``status`` to ``TIMEOUT``, and the other
-   programs, which read ``status`` while they poll, stop;
-2. route the logits of the last poll as ``route.route`` does, with the same schedule and selection
-   (``ordered_keys``, ``select_ranked`` or ``select_grouped``, ``routing_weights`` are that
-   kernel's functions; the groups selection's second looks and the weights' gather load from the
-   row), gathering the chosen logits back from the row;
-3. write the ids and weights (bit-equal to collect-then-route), and the row: the logits ``[E]``
-   float32 and the latent as ``[L / 2]`` words (the caller views them as bfloat16 columns), exactly
-   the words ``collect`` copies;
-4. on request (``with_plan``), the MXFP8 plan of the latent from the same registers
-   (``plan.quantize_word_tile``, the plan kernel's tile math on the packed words): the plan in the
-   pass that writes the latent, as SPEC section 5 and issue #7 ask, with no second read of it;
-5. re-arm the row's data words with the sentinel and record the generation read in ``control[0]``.
+Grid. The first ``cdiv(batch, block_rows)`` programs take ``route``'s row blocks, collect only the
+logits (3.5 KB a K3 row) and route them with ``route``'s functions; each other program collects (and
+plans) ``LATENT_CHUNK`` latent words of one row. All poll alike (``_poll``): volatile loads until no
+word holds the sentinel, at most ``ROUTE_COLLECT_SPIN_LIMIT`` times, then ``TIMEOUT`` in ``status``,
+each decision reduced over the block so every warp leaves the loop at the same poll. Protocol as in
+``moe_front_jax.reference.mailbox``: a program owns its words, reads ``control[1]``, writes only
+``control[0]`` and re-arms after a block barrier. Interpret mode runs it with plain loads.
 
-Two kinds of program share the grid. The first ``cdiv(batch, block_rows)`` take the routing
-schedule's row blocks and collect only the logits (3.5 KB a row for Kimi-K3), which the routing
-needs in registers; each of the others collects ``LATENT_CHUNK`` latent words of one row (and plans
-them), so the 7 KB of latent a row never passes through a routing program's registers. Both poll
-the same way (``_poll``): the routing runs once, on the logits' last load, in straight-line code
-after the polling loop, which carries only its count of pending words. Whether to poll again is
-decided the same way by every warp of a program (block-wide reductions of the words and of the
-status word): a warp leaving the loop before another would pair its later block barriers with the
-other's, and on the H200 rows polled tens of thousands of times (a never-published mailbox) then
-came out with wrong ids or an illegal-address fault (benchmarks/RESULTS.md). The bias is loaded
-beside the control word, whose generation every row address depends on.
+Why: one launch replacing collect, route and plan. On the H200 (K3, groups selection) it took 5.18 /
+5.63 / 5.92 / 10.58 us at B = 1 / 8 / 64 / 256, 0.3-0.6 us more than the collect and routing kernels
+at B <= 64 (docs/findings.md), so ``moe_front`` runs it only with ``plan=True``.
 
-Measured (H200, CUPTI, benchmarks/RESULTS.md), K3 with the groups selection at B = 1 / 8 / 64 / 256,
-after the front GEMM's publish: 5.18 / 5.63 / 5.92 / 10.58 us (eighth session), against 5.70 / 5.60
-/ 5.95 / 10.75 us when the routing programs collected the whole row (seventh session), and against
-4.67 / 5.06 / 5.63 / 9.28 us for the collect kernel plus the routing kernel in the same run. One
-launch fewer, yet 0.3-0.6 us slower at B <= 64. Switching its parts off one by one (eighth session,
-branch ``ablate``): the volatile gathers cost 0.25-0.55 us, the polling, the control word, the
-re-arm and the latent programs 0.2 us at most each; with all of them off, run alone, it still took
-1.1 us more than the routing kernel, with nearly the same code for sm_90 (not profiled). ``moe_front``
-therefore runs it only with ``plan=True``, where it also replaces the plan kernel.
-
-Protocol. The same as ``triton_mailbox.mailbox_collect``'s (``mailbox``'s docstring has the layout,
-the generations and why the immediate re-arm is safe): a program owns its words (its rows' logits,
-or its chunk of a row's latent), reads generation ``control[1]`` and writes only ``control[0]``,
-writes ``status`` only to report its own timeout, and re-arms only after a block barrier, once every
-thread has read the words (the routing's gathers included).
-
-Backend: Pallas' Triton lowering, as ``route``: ``plgpu.load(..., volatile=True)`` polls,
-``input_output_aliases`` updates the buffer, control and status in place, and ``lax.while_loop``
-bounds the spin. Interpret mode runs the same kernel on any machine (there the loads are not
-volatile, which a single-threaded interpreter does not need: the mailbox is published before the
-kernel runs, or never).
-
-Cost per call, for ``W = L / 2 + E`` data words a row (2688 for Kimi-K3, 10.5 KB):
-  bytes  = 4 * B * W          the row read (once, when the publish has landed before the kernel)
-         + 8 * B * W          written out, then re-armed
-         + route.route_bytes  less its logits read (the row holds them)
-         + B * L * (1 + 1 / plan_block)   with the plan: values and scale bytes written
-  FLOPs  = route.route's (+ plan.plan's, about 6 * B * L, with the plan)
+Cost per call (``route_collect_bytes``), ``W = L / 2 + E`` data words a row (2688 for K3): 4BW read +
+8BW written out and re-armed + ``route_bytes`` less its logits read, + ``B * L * (1 + 1 / block)``
+plan bytes. FLOPs: ``route``'s, + about 6BL with the plan. Floor: 12BW bytes, 0.44 us of HBM at B=64
+and 1.8 us at B=256 (4.65 TB/s); at decode batches the launch and the polls' round trips dominate.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -77,17 +39,17 @@ from moe_front_jax.reference import mailbox as mb
 from moe_front_jax.pallas.plan import kernel as plan
 from moe_front_jax.pallas.route import kernel as rt
 
-SPIN_LIMIT = 1 << 15
-"""Polls of a row before the kernel reports ``TIMEOUT``: on the H200 a never-published mailbox
-returned after 19 ms (B = 1) and 44-52 ms (B = 256), the collect kernel's timeout (42-289 ms at its
-``1 << 16``) being the bound to stay under."""
+ROUTE_COLLECT_SPIN_LIMIT = 1 << 15
+"""Polls of a row's logits (or a latent chunk) before ``route_collect`` reports ``TIMEOUT``. Each
+kernel's count is set by timing its own timeout: this one so that a never-published mailbox fails
+no later here than through the jax-triton collect (``TRITON_COLLECT_SPIN_LIMIT``, 42-289 ms): 19 ms
+at B = 1 and 44-52 ms at B = 256 on the H200 (docs/findings.md)."""
 
 
 LATENT_CHUNK = 1024
-"""Latent words per collecting program (``min``-ed with the row's power of two): two 16-byte
-accesses per thread of a 4-warp program. Of 256, 512 and 1024 on the H200 (benchmarks/RESULTS.md,
-eighth session): within 0.1-0.4 us of each other at B <= 64, 1024 the fastest at B = 256 (10.58 us
-against 12.88 and 14.78)."""
+"""Latent words per collecting program (``min``-ed with the row's power of two): two 16-byte accesses
+per thread of a 4-warp program. The fastest of 256, 512 and 1024 at B = 256 on the H200 (10.58 us
+against 12.88 and 14.78), within 0.1-0.4 us of them at B <= 64 (docs/findings.md)."""
 
 
 def route_collect_bytes(batch: int, cfg, with_plan: bool = False) -> int:
@@ -260,7 +222,7 @@ def route_collect(
     cfg: FrontConfig,
     *,
     with_plan: bool = False,
-    spin_limit: int = SPIN_LIMIT,
+    spin_limit: int = ROUTE_COLLECT_SPIN_LIMIT,
     interpret: bool = False,
     config: rt.RouteConfig | None = None,
 ) -> tuple:
@@ -281,14 +243,15 @@ def route_collect(
 
     Returns:
       ``(ids [batch, K] int32, weights [batch, K] bfloat16, logits [batch, E] float32,
-      latent [batch, L] bfloat16, status, buffer, control)``: what ``reference.mailbox.collect`` then
-      ``route.route`` return, the rows re-armed. With ``with_plan``, ``(values [batch, L] float8_e4m3fn, scales
-      [batch, L / plan_block] float8_e8m0fnu)`` follows the latent: ``plan.plan`` of it, bit for bit.
+      latent [batch, L] bfloat16, status, buffer, control)``: what ``reference.mailbox.collect``
+      then ``route.route`` return, the rows re-armed. With ``with_plan``, ``(values [batch, L]
+      float8_e4m3fn, scales [batch, L / plan_block] float8_e8m0fnu)`` follows the latent:
+      ``plan.plan`` of it, bit for bit.
 
     Raises:
-      ValueError: a wrong buffer, control, batch, bias or status; ``with_plan`` with a plan block the kernel
-        does not fuse.
-      NotImplementedError: more than ``route.MAX_LANES`` experts.
+      ValueError: a wrong buffer, control, batch, bias or status.
+      NotImplementedError: more than ``route.MAX_LANES`` experts; ``with_plan`` with a plan block
+        the kernel does not fuse (``fuses_plan``).
     """
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
