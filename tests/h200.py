@@ -1,7 +1,8 @@
-"""Lowering for an H200 from a host without a GPU (DESIGN.md, "Tests and checks").
+"""Lowering for an H200 from a host without a GPU.
 
-Interpret mode accepts operations that the GPU lowering rejects; lowering the jitted function for
-``cuda`` proves that each kernel gets through Pallas' GPU lowering.
+The CPU tests run the kernels in interpret mode, which accepts operations that the GPU lowering
+rejects; lowering the jitted function for ``cuda`` under an abstract H200 mesh proves, without a
+GPU, that each kernel gets through Pallas' GPU lowering (and MLIR's verifier).
 """
 
 import contextlib

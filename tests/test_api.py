@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import moe_front_jax as mf
-from moe_front_jax import backends
+from moe_front_jax import dispatch
 import oracle
 
 SMALL = mf.FrontConfig(hidden=256, experts=128, top_k=16, latent=128, shared=64)
@@ -256,15 +256,92 @@ def test_route_errors():
         mf.route(jnp.zeros((2, 128), jnp.float32), bias[:64], SMALL)
 
 
-def test_missing_kernel_names_its_issue(monkeypatch):
-    monkeypatch.setattr(backends, "KERNELS", {})
-    monkeypatch.setitem(backends.PENDING, "route", "issue #3 (the routing kernel)")
-    with pytest.raises(NotImplementedError, match=r"no Pallas kernel for the route stage yet; .*issue #3"):
-        backends.stage("route", "pallas")
-    # On a GPU "auto" falls back to the reference for a stage without a kernel.
-    monkeypatch.setattr(backends, "on_gpu", lambda: True)
-    assert backends.stage("route", "auto") is backends.REFERENCE["route"]
+def abstract(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def gemm_args(batch, cfg=SMALL):
+    """``front_gemm``'s arguments for ``batch`` rows as shapes only (``x, packed, split, valid``)."""
+    params = small_params(cfg)
+    packed = abstract(params.packed.shape, jnp.bfloat16)
+    return abstract((batch, cfg.hidden), jnp.bfloat16), packed, params.split, cfg.experts
+
+
+def test_an_unknown_stage_is_a_value_error():
     with pytest.raises(ValueError, match="unknown stage 'topk'"):
-        backends.stage("topk", "xla")
+        dispatch.choose("topk", "xla")
+    with pytest.raises(ValueError, match="unknown stage 'topk'"):
+        dispatch.run("topk", "auto")
 
 
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_xla_always_runs_the_reference(monkeypatch, on_gpu):
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: on_gpu)
+    for name in dispatch.STAGES:
+        assert not dispatch.choose(name, "xla").kernel, name
+    logits, bias = abstract((2, 128), jnp.float32), abstract((128,), jnp.float32)
+    assert not dispatch.choose("route", "xla", logits, bias, SMALL).kernel
+    assert not dispatch.choose("front_gemm", "xla", *gemm_args(2)).kernel
+
+
+def test_interpret_runs_the_kernels_but_the_mailbox_reference():
+    logits, bias = abstract((2, 128), jnp.float32), abstract((128,), jnp.float32)
+    assert dispatch.choose("route", "interpret", logits, bias, SMALL).kernel
+    assert dispatch.choose("front_gemm", "interpret", *gemm_args(2)).kernel
+    assert dispatch.choose("plan", "interpret", abstract((2, 128), jnp.bfloat16), 32).kernel
+    # The mailbox's jax-triton publish and collect have no interpret mode: the reference runs.
+    for name in ("mailbox_publish", "mailbox_collect"):
+        assert not dispatch.STAGES[name].interprets
+        assert not dispatch.choose(name, "interpret").kernel
+    assert all(stage.interprets for name, stage in dispatch.STAGES.items()
+               if name not in ("mailbox_publish", "mailbox_collect"))
+
+
+def test_auto_falls_through_where_a_kernel_does_not_cover(monkeypatch):
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    # B = 300 rows: more than the front GEMM's and the shared expert's kernels cover.
+    assert not dispatch.choose("front_gemm", "auto", *gemm_args(300)).kernel
+    with pytest.raises(NotImplementedError, match="B <= 256 rows per call, got B=300"):
+        dispatch.choose("front_gemm", "interpret", *gemm_args(300))
+    params = small_params()
+    shared = (abstract((300, SMALL.hidden), jnp.bfloat16), abstract(params.gate_up.shape, jnp.bfloat16),
+              abstract(params.down.shape, jnp.bfloat16), SMALL)
+    assert not dispatch.choose("shared_expert", "auto", *shared).kernel
+    with pytest.raises(NotImplementedError):
+        dispatch.choose("shared_expert", "interpret", *shared)
+    # The routing kernel covers any B, but no more than its lanes' experts.
+    wide = mf.FrontConfig(hidden=256, experts=8192, top_k=8, latent=128, shared=0)
+    logits, bias = abstract((300, 8192), jnp.float32), abstract((8192,), jnp.float32)
+    assert not dispatch.choose("route", "auto", logits, bias, wide).kernel
+    with pytest.raises(NotImplementedError, match="up to 4096 experts"):
+        dispatch.choose("route", "interpret", logits, bias, wide)
+    # A covered request runs the kernel (routing: "auto" always prefers it on a GPU).
+    logits, bias = abstract((300, 128), jnp.float32), abstract((128,), jnp.float32)
+    assert dispatch.choose("route", "auto", logits, bias, SMALL).kernel
+
+
+@pytest.mark.parametrize("call", ["moe_front", "route"])
+def test_pallas_without_a_gpu_suggests_interpret(call):
+    assert not dispatch.on_gpu()
+    message = r"backend='pallas' .*use backend='interpret'"
+    with pytest.raises(ValueError, match=message):
+        if call == "moe_front":
+            mf.moe_front(rows(1), small_params(), backend="pallas")
+        else:
+            mf.route(jnp.zeros((2, 128), jnp.float32), jnp.zeros((128,), jnp.float32), SMALL,
+                     backend="pallas")
+
+
+MID = mf.FrontConfig(hidden=256, experts=64, top_k=8, latent=128, shared=64)
+
+
+def test_more_rows_than_a_kernel_covers():
+    params = small_params(MID)
+    x = rows(257)
+    auto = front(x, params, plan=True, backend="auto")
+    xla = front(x, params, plan=True, backend="xla")
+    for got, want in zip(jax.tree.leaves(auto), jax.tree.leaves(xla), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert auto.ids.shape == (257, 8)
+    with pytest.raises(NotImplementedError, match=r"B <= 256 rows per call, got B=257"):
+        front(x, params, plan=True, backend="interpret")

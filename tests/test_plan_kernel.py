@@ -12,8 +12,9 @@ import pytest
 from jax.sharding import Mesh
 
 import moe_front_jax as mf
-from moe_front_jax import backends, reference
-from moe_front_jax.pallas import plan as pp
+import moe_front_jax.pallas.plan as plan_stage
+from moe_front_jax import dispatch, reference
+from moe_front_jax.pallas.plan import kernel as pp
 from h200 import H200, lower_for_h200
 import oracle
 
@@ -196,18 +197,27 @@ def test_heuristic_schedule():
 # --- registration, lowering, errors ------------------------------------------------------------------
 
 
-def test_registered_behind_the_plan_stage():
-    assert backends.KERNELS["plan"] == "moe_front_jax.pallas.plan:plan"
-    assert "plan" not in backends.PENDING
-    fn = backends.stage("plan", "interpret")
-    assert fn.func is pp.plan and fn.keywords == {"interpret": True}
-    assert backends.stage("plan", "pallas").keywords == {"interpret": False}
-    assert backends.stage("plan", "xla") is reference.mxfp8_plan
+def test_registered_behind_the_plan_stage(monkeypatch):
+    stage = dispatch.STAGES["plan"]
+    assert stage.kernel == "moe_front_jax.pallas.plan:plan"
+    assert stage.reference == "moe_front_jax.reference.plan:mxfp8_plan"
+    assert stage.auto == dispatch.ALWAYS and stage.interprets
+    latent = jax.ShapeDtypeStruct((4, 64), jnp.bfloat16)
+    choice = dispatch.choose("plan", "interpret", latent, 32)
+    assert choice.kernel and choice.run.keywords == {"interpret": True}
+    assert not dispatch.choose("plan", "xla", latent, 32).kernel
+    assert not dispatch.choose("plan", "auto", latent, 32).kernel  # no GPU here
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    choice = dispatch.choose("plan", "pallas", latent, 32)
+    assert choice.kernel and choice.run.keywords == {"interpret": False}
+    assert dispatch.choose("plan", "auto", latent, 32).kernel
+    assert not dispatch.choose("plan", "xla", latent, 32).kernel
 
 
 @pytest.fixture
 def plan_spy(monkeypatch):
-    """Counts the plan kernel's calls through ``backends.stage``."""
+    """Counts the plan kernel's calls (through ``dispatch``, which loads the stage package's ``plan``,
+    or straight to the kernel module's)."""
     calls = []
     real = pp.plan
 
@@ -216,9 +226,10 @@ def plan_spy(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(pp, "plan", spy)
-    backends._load.cache_clear()
+    monkeypatch.setattr(plan_stage, "plan", spy)
+    dispatch._load.cache_clear()
     yield calls
-    backends._load.cache_clear()
+    dispatch._load.cache_clear()
 
 
 def small_front(cfg):

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 import moe_front_jax as mf
-from moe_front_jax import backends, reference
+import moe_front_jax.pallas.shared_expert as shared_stage
+from moe_front_jax import dispatch, reference
 from moe_front_jax.params import rank_slices
-from moe_front_jax.pallas import shared_expert as se
-from moe_front_jax.pallas import shared_expert_tma as st
-from moe_front_jax.pallas.streaming import GemmConfig as G
+from moe_front_jax.pallas.shared_expert import triton as se
+from moe_front_jax.pallas.shared_expert import tma as st
+from moe_front_jax.pallas.gemm.schedule import GemmConfig as G
 from h200 import H200, lower_for_h200
 import oracle
 
@@ -145,25 +146,35 @@ def test_moe_front_runs_the_kernel_under_interpret(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(se, "shared_expert", spy)
-    monkeypatch.setitem(backends.KERNELS, "route", "test_shared_expert_kernel:route_any")
-    backends._load.cache_clear()
+    monkeypatch.setattr(shared_stage, "shared_expert", spy)
+    monkeypatch.setitem(dispatch.STAGES, "route", dataclasses.replace(
+        dispatch.STAGES["route"], kernel="test_shared_expert_kernel:route_any"))
+    dispatch._load.cache_clear()
     cfg = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=128, top_k=16, latent=256, shared=96)
     params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg), cfg)
     x = jax.random.normal(jax.random.key(1), (5, SMALL_HIDDEN)).astype(jnp.bfloat16)
     try:
         got = jax.jit(lambda x, p: mf.moe_front(x, p, backend="interpret"))(x, params)
     finally:
-        backends._load.cache_clear()
+        dispatch._load.cache_clear()
     assert calls == [{"interpret": True}]
     want = mf.moe_front(x, params, backend="xla")
     assert got.shared.dtype == jnp.bfloat16 and got.shared.shape == (5, SMALL_HIDDEN)
     assert_close_to_float64(got.shared, want.shared, 2.0**-6)
 
 
-def test_registered_for_pallas_and_interpret():
-    assert "shared_expert" not in backends.PENDING
-    kernel = backends.stage("shared_expert", "interpret")
-    assert kernel.func is se.shared_expert and kernel.keywords == {"interpret": True}
+def test_registered_for_pallas_and_interpret(monkeypatch):
+    stage = dispatch.STAGES["shared_expert"]
+    assert stage.kernel == "moe_front_jax.pallas.shared_expert:shared_expert" and stage.interprets
+    cfg = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=128, top_k=16, latent=256, shared=96)
+    args = (jax.ShapeDtypeStruct((5, SMALL_HIDDEN), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2 * 96, SMALL_HIDDEN), jnp.bfloat16),
+            jax.ShapeDtypeStruct((SMALL_HIDDEN, 96), jnp.bfloat16), cfg)
+    kernel = dispatch.choose("shared_expert", "interpret", *args)
+    assert kernel.kernel and kernel.run.keywords == {"interpret": True}
+    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    kernel = dispatch.choose("shared_expert", "pallas", *args)
+    assert kernel.kernel and kernel.run.keywords == {"interpret": False}
 
 
 def kernel_count(text: str) -> int:
