@@ -1,7 +1,9 @@
 """The Pallas front GEMM (and its MXFP8 plan epilogue): interpret mode against the reference, lowering
 for an H200 from the CPU host at every tp shape, the tuning table, and on a GPU against float64."""
 
+import dataclasses
 import functools
+import importlib
 import json
 from importlib import resources
 
@@ -12,9 +14,11 @@ import numpy as np
 import pytest
 
 import moe_front_jax as mf
-from moe_front_jax import backends, reference
+from moe_front_jax import dispatch, reference
+from moe_front_jax import mailbox as mb
 from moe_front_jax.params import padded_split
-from moe_front_jax.pallas import front_gemm as fg
+from moe_front_jax.pallas.front_gemm import kernel as fg
+from moe_front_jax.reference import mailbox as layout
 from h200 import H200, lower_for_h200, triton_ir_for_h200
 import oracle
 
@@ -148,21 +152,24 @@ def test_interpret_plan_of_non_finite_latent():
 
 def test_moe_front_takes_the_plan_from_the_gemm_epilogue(monkeypatch):
     calls = []
-    real = fg.front_gemm_plan
+    # The function the registry names as the stage's kernel, wrapped where the registry loads it.
+    module, name = dispatch.STAGES["front_gemm_plan"].kernel.split(":")
+    module = importlib.import_module(module)
+    real = getattr(module, name)
 
     def spy(*args, **kwargs):
         calls.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fg, "front_gemm_plan", spy)
-    backends._load.cache_clear()
+    monkeypatch.setattr(module, name, spy)
+    dispatch._load.cache_clear()
     cfg = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=128, top_k=16, latent=256, shared=0)
     params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg, shared=False), cfg)
     x = jax.random.normal(jax.random.key(1), (5, SMALL_HIDDEN)).astype(jnp.bfloat16)
     try:
         got = jax.jit(lambda x, p: mf.moe_front(x, p, plan=True, backend="interpret"))(x, params)
     finally:
-        backends._load.cache_clear()
+        dispatch._load.cache_clear()
     want = mf.moe_front(x, params, plan=True, backend="xla")
     assert len(calls) == 1
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), rtol=0, atol=1e-5)
@@ -208,17 +215,28 @@ def publish_operands(batch, seed, cfg=PUBLISH_CFG, exact=True):
     return jnp.asarray(x), jnp.asarray(w), split
 
 
+def publish_into(box, x, w, split, valid, **kwargs):
+    """``fg.front_gemm_publish`` into the mailbox's arrays; returns ``(mailbox, status)``, the
+    mailbox rebuilt from the buffer, control and tickets it returns."""
+    buffer, control, tickets, status = fg.front_gemm_publish(
+        x, w, split, valid, box.buffer, box.control, box.tickets, box.cfg, **kwargs)
+    return dataclasses.replace(box, buffer=buffer, control=control, tickets=tickets), status
+
+
+def tickets_of(cfg):
+    """The mailbox's tile counters for ``cfg``: one per 16-row tile of its router and latent rows."""
+    return fg.ticket_count(cfg.experts_per_rank, cfg.latent_per_rank)
+
+
 def published_buffers(cfg, steps, publish):
     """The mailbox buffers after ``publish(box, batch, seed)`` at each of ``steps`` (batch, seed),
     each step collected (re-armed) in plain JAX before the next. The tile counters, kept in the
     mailbox from step to step, must be zero after each."""
-    from moe_front_jax.bridge import mailbox as mb
-
     box, buffers = mf.Mailbox.create(cfg, capacity=8, generations=2), []
     for seed, batch in enumerate(steps):
         box, status = publish(box, batch, seed)
         assert status is None or (status.shape == () and int(status) == 0)
-        np.testing.assert_array_equal(np.asarray(box.tickets), np.zeros(mb.ticket_count(cfg)))
+        np.testing.assert_array_equal(np.asarray(box.tickets), np.zeros(tickets_of(cfg)))
         buffers.append((np.asarray(box.buffer), np.asarray(box.control)))
         *_, box = mb.collect(box, batch, backend="xla")
     return buffers
@@ -231,8 +249,6 @@ def test_interpret_publish_equals_publishing_the_outputs(cfg, config, plan_block
     """``front_gemm_publish`` leaves in the mailbox exactly what ``mailbox.publish`` (plain JAX) leaves
     from ``front_gemm``'s outputs (``front_gemm_plan``'s with ``plan_block``) with the same schedule,
     generation by generation."""
-    from moe_front_jax.bridge import mailbox as mb
-
     def gemm_then_publish(box, batch, seed):
         x, w, split = publish_operands(batch, seed, cfg)
         if plan_block is None:
@@ -244,8 +260,8 @@ def test_interpret_publish_equals_publishing_the_outputs(cfg, config, plan_block
 
     def publish(box, batch, seed):
         x, w, split = publish_operands(batch, seed, cfg)
-        return fg.front_gemm_publish(x, w, split, cfg.experts, box, interpret=True, config=config,
-                                     plan_block=plan_block)
+        return publish_into(box, x, w, split, cfg.experts, interpret=True, config=config,
+                            plan_block=plan_block)
 
     steps = (3, 8, 1)
     for got, want in zip(published_buffers(cfg, steps, publish),
@@ -258,8 +274,6 @@ def test_publish_takes_the_plan_schedule_with_plan_block(monkeypatch):
     """Without a config, ``plan_block`` picks ``front_gemm_plan``'s schedule (here a tensor-core one,
     where ``front_gemm``'s is a vector one): on random data the two give different sums, and the
     words are those of the plan's schedule."""
-    from moe_front_jax.bridge import mailbox as mb
-
     vector, grid = Cfg(2, 64, 1, 4, 1, vector=True), Cfg(16, 64, 2, 4, 3)
     monkeypatch.setattr(fg, "pick_config", lambda *shape, plan=False: grid if plan else vector)
     cfg, batch = PUBLISH_CFG, 3
@@ -272,8 +286,8 @@ def test_publish_takes_the_plan_schedule_with_plan_block(monkeypatch):
         backend="xla")
     assert not np.array_equal(np.asarray(plain.buffer), np.asarray(planned.buffer))
     for plan_block, want in ((None, plain), (cfg.plan_block, planned)):
-        got, _ = fg.front_gemm_publish(x, w, split, cfg.experts, mf.Mailbox.create(cfg, capacity=4),
-                                       plan_block=plan_block, interpret=True)
+        got, _ = publish_into(mf.Mailbox.create(cfg, capacity=4), x, w, split, cfg.experts,
+                              plan_block=plan_block, interpret=True)
         np.testing.assert_array_equal(np.asarray(got.buffer), np.asarray(want.buffer))
 
 
@@ -282,15 +296,13 @@ def test_epilogue_latent_words_canonicalize_negative_zero():
     +0, and the smallest negative subnormal, which shares its sign bit, passes unchanged. (A GEMM on
     the CPU cannot give a -0: its float32 sums start at +0 and flush subnormals. The logits go
     through ``mailbox.logits_to_words``, as the plain-JAX publish's do.)"""
-    from moe_front_jax.bridge import mailbox as mb
-
     halves = np.array([[0x8000, 0x8000, 0x8001, 0x8000, 0x3F80, 0xBF80]], np.uint16)
     latent = jnp.asarray(halves.view(ml_dtypes.bfloat16))
     canonical = np.where(halves == 0x8000, 0, halves).astype(np.uint32)
     want = canonical[:, 0::2] | (canonical[:, 1::2] << 16)
     np.testing.assert_array_equal(np.asarray(fg.latent_words_of(latent)), want)
     np.testing.assert_array_equal(
-        np.asarray(mb.latent_word_pairs(latent[:, 0::2], latent[:, 1::2])), want)
+        np.asarray(layout.latent_word_pairs(latent[:, 0::2], latent[:, 1::2])), want)
 
 
 def test_publish_errors():
@@ -298,34 +310,78 @@ def test_publish_errors():
     x, w, split = publish_operands(3, seed=0)
     box = mf.Mailbox.create(cfg, capacity=2)
     with pytest.raises(ValueError, match="over the mailbox capacity 2"):
-        fg.front_gemm_publish(x, w, split, cfg.experts, box)
+        publish_into(box, x, w, split, cfg.experts)
     box = mf.Mailbox.create(cfg, capacity=4)
     with pytest.raises(ValueError, match="valid=25 router rows and 36 latent rows must be the "
                                          "mailbox's experts=26 and latent=36"):
-        fg.front_gemm_publish(x, w, split, cfg.experts - 1, box)
+        publish_into(box, x, w, split, cfg.experts - 1)
     tp2 = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=26, top_k=4, latent=36, shared=0, tp=2,
                          plan_block=2)
-    with pytest.raises(ValueError, match="one device's rows \\(tp=1\\), got a mailbox for tp=2"):
-        fg.front_gemm_publish(x, w, split, cfg.experts, mf.Mailbox.create(tp2, capacity=4))
-    with pytest.raises(ValueError, match="mailbox must be a Mailbox"):
-        fg.front_gemm_publish(x, w, split, cfg.experts, box.buffer)
+    # A mailbox of tp > 1 is a valid request that the kernel does not cover (``covers_publish``).
+    with pytest.raises(NotImplementedError,
+                       match="one device's rows \\(tp=1\\), got a mailbox for tp=2"):
+        publish_into(mf.Mailbox.create(tp2, capacity=4), x, w, split, cfg.experts)
+    # The mailbox's arrays, each named with its shape and what was expected.
+    arrays = (box.buffer, box.control, box.tickets)
+    for index, bad, message in (
+        (0, box.buffer[..., :-4], r"buffer is \(3, 4, 40\) uint32, expected \(G, capacity, 44\) "
+                                  r"uint32"),
+        (0, box.buffer[0], r"buffer is \(4, 44\) uint32, expected \(G, capacity, 44\) uint32"),
+        (1, box.control.astype(jnp.uint32), r"control is \(2,\) uint32, expected \(2\) int32"),
+        (2, box.tickets[:-1], r"tickets is \(4,\) int32, expected \(5\) int32"),
+    ):
+        given = list(arrays)
+        given[index] = bad
+        with pytest.raises(ValueError, match=message):
+            fg.front_gemm_publish(x, w, split, cfg.experts, *given, cfg)
     for plan_block in (3, 8, 512, True):
         with pytest.raises(ValueError, match=f"plan_block must be None or a power of two in "
                                              f"\\[1, 256\\] dividing the latent shard \\(36\\), "
                                              f"got {plan_block}"):
-            fg.front_gemm_publish(x, w, split, cfg.experts, box, plan_block=plan_block)
+            publish_into(box, x, w, split, cfg.experts, plan_block=plan_block)
     with pytest.raises(ValueError, match="plan_block asks for front_gemm_plan's schedule, a "
                                          "tensor-core one, but config is the vector schedule"):
-        fg.front_gemm_publish(x, w, split, cfg.experts, box, plan_block=4,
-                              config=Cfg(2, 64, 1, 4, 1, vector=True))
-    from moe_front_jax.bridge import mailbox as mb
+        publish_into(box, x, w, split, cfg.experts, plan_block=4,
+                     config=Cfg(2, 64, 1, 4, 1, vector=True))
 
+
+@pytest.mark.parametrize("plan", [False, True])
+def test_gemm_exchange_route_without_the_kernel_equals_the_reference_path(plan):
+    """Where the backend does not run the front GEMM kernel (``"xla"``), ``gemm_exchange_route`` runs
+    the stage's reference (the XLA GEMM, then the plain-JAX publish): over steps of several batches
+    (generations rotating), the same bits as ``reference.front_gemm`` followed by ``exchange_route``,
+    and the same mailbox words, control and tile counters afterwards."""
+    cfg = PUBLISH_CFG
+    _, w, split = publish_operands(1, seed=0, exact=False)
+    rng = np.random.default_rng(6)
     params = mf.pack_params({"gate.weight": w[:cfg.experts], "routed_down_weight": w[split:],
-                             "gate.e_score_correction_bias": jnp.zeros(cfg.experts)}, cfg)
-    with pytest.raises(ValueError, match="backend='xla' does not run the front_gemm kernel at these "
-                                         "shapes"):
-        mb.gemm_exchange_route(box, x, params.packed, params.bias, split=params.split,
-                               valid=cfg.experts, backend="xla")
+                             "gate.e_score_correction_bias":
+                                 jnp.asarray(rng.uniform(-0.05, 0.05, cfg.experts), jnp.float32)},
+                            cfg)
+    assert params.split == split
+    gemm = jax.jit(reference.front_gemm, static_argnums=(2, 3))
+    got_box = mf.Mailbox.create(cfg, capacity=8)
+    want_box = mf.Mailbox.create(cfg, capacity=8)
+    for t, batch in enumerate((3, 8, 1, 8)):
+        x, _, _ = publish_operands(batch, seed=10 + t, exact=False)
+        *got, got_box = mb.gemm_exchange_route(
+            got_box, x, params.packed, params.bias, split=params.split, valid=cfg.experts,
+            backend="xla", plan=plan, plan_block=cfg.plan_block if plan else None)
+        logits, latent = gemm(x, params.packed, params.split, cfg.experts)
+        *want, want_box = mb.exchange_route(want_box, logits, latent, params.bias, backend="xla",
+                                            plan=plan)
+        assert (got[4] is None) == (not plan) == (want[4] is None)
+        assert int(got[5]) == 0
+        got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+        assert len(got_leaves) == len(want_leaves) == (7 if plan else 5)
+        for g, v in zip(got_leaves, want_leaves):
+            assert g.dtype == v.dtype and g.shape == v.shape
+            np.testing.assert_array_equal(np.atleast_1d(np.asarray(g)).view(np.uint8),
+                                          np.atleast_1d(np.asarray(v)).view(np.uint8))
+        for g, v in zip(jax.tree.leaves(got_box), jax.tree.leaves(want_box)):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(v))
+        np.testing.assert_array_equal(np.asarray(got_box.tickets), np.zeros(tickets_of(cfg)))
+        np.testing.assert_array_equal(np.asarray(got_box.control), [t % 3, t % 3])
 
 
 def test_publish_lowers_for_h200_as_one_kernel_updating_the_mailbox_in_place():
@@ -340,7 +396,8 @@ def test_publish_lowers_for_h200_as_one_kernel_updating_the_mailbox_in_place():
     for batch in (1, 2, 8, 64, 256):
         x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
         text = lower_for_h200(
-            lambda x, w, box: fg.front_gemm_publish(x, w, split, valid, box), x, w, box)
+            lambda x, w, box: fg.front_gemm_publish(x, w, split, valid, box.buffer, box.control,
+                                                    box.tickets, box.cfg), x, w, box)
         assert text.count("__gpu$xla.gpu.triton") == 1
         operands = 3 if batch >= 8 else 2  # the tile counters come first
         for output, operand in ((0, operands), (1, operands + 1)):
@@ -375,7 +432,8 @@ def test_publish_epilogue_stores_16_byte_vectors_on_sm90(batch, monkeypatch, tmp
     kernels = {
         "direct": triton_ir_for_h200(lambda x, w: fg.front_gemm(x, w, split, valid), x, w),
         "publish": triton_ir_for_h200(
-            lambda x, w, box: fg.front_gemm_publish(x, w, split, valid, box), x, w, box),
+            lambda x, w, box: fg.front_gemm_publish(x, w, split, valid, box.buffer, box.control,
+                                                    box.tickets, box.cfg), x, w, box),
     }
     stores = {}
     for name, [ttir] in kernels.items():
@@ -411,7 +469,7 @@ def test_lowers_for_h200_as_one_kernel(tp, programs):
 
 
 def test_table_covers_the_k3_shapes_and_is_used_on_h200():
-    text = resources.files("moe_front_jax.pallas").joinpath("tuning", "h200_front_gemm.json")
+    text = resources.files("moe_front_jax.pallas").joinpath("tuning", "nvidia-h200", "front_gemm.json")
     table = json.loads(text.read_text())
     assert table["device_kind"] == H200.device_kind
     for tp in (1, 2, 4, 8):
@@ -447,7 +505,8 @@ def test_table_vector_entries(monkeypatch):
     grid = dict(block_rows=32, block_k=64, split_k=8, num_warps=4, num_stages=6)
     entries = {fg.table_key(valid, shard, K3.hidden, 1): {"config": vector},
                fg.table_key(valid, shard, K3.hidden, 16): {"config": grid}}
-    monkeypatch.setattr(fg, "table_entries", lambda name: entries)
+    monkeypatch.setattr(
+        fg, "tuning_entries", lambda kind, table: entries if table == "front_gemm" else {})
     fg.load_table.cache_clear()
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
     try:

@@ -17,8 +17,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import moe_front_jax as mf
+from moe_front_jax import mailbox as mb
 from moe_front_jax import reference
-from moe_front_jax.bridge import mailbox as mb
+from moe_front_jax.pallas.front_gemm import ticket_count
+from moe_front_jax.reference import mailbox as layout
 from conftest import has_gpu
 
 # Small configs: E and L/2 are not multiples of 4 words, so rows end in padding and chunks straddle
@@ -54,13 +56,18 @@ def expected_armed(cfg, generations, capacity):
     return rows
 
 
+def tickets_of(cfg):
+    """Tile counters of a mailbox for ``cfg``: the front GEMM publish's, over one rank's rows."""
+    return ticket_count(cfg.experts_per_rank, cfg.latent_per_rank)
+
+
 def assert_armed(box, steps):
     """Armed, after ``steps`` publishes: step t used generation t mod G, so both control words hold
     the last step's generation, ``G - 1`` for a new mailbox; every tile counter is zero."""
     assert_bits_equal(box.buffer, expected_armed(box.cfg, box.generations, box.capacity))
     last = (steps - 1) % box.generations
     np.testing.assert_array_equal(np.asarray(box.control), [last, last])
-    np.testing.assert_array_equal(np.asarray(box.tickets), np.zeros(mb.ticket_count(box.cfg)))
+    np.testing.assert_array_equal(np.asarray(box.tickets), np.zeros(tickets_of(box.cfg)))
 
 
 def rows_of(cfg, batch, seed):
@@ -105,14 +112,15 @@ def small_params():
 
 def test_layout_sizes():
     # Kimi-K3: 5376 sixteen-bit columns = 2688 words = 672 chunks, no padding.
-    assert (mb.latent_words(mf.KIMI_K3), mb.data_words(mf.KIMI_K3), mb.row_words(mf.KIMI_K3)) == (
+    k3 = mf.KIMI_K3
+    assert (layout.latent_words(k3), layout.data_words(k3), layout.row_words(k3)) == (
         1792,
         2688,
         2688,
     )
-    assert (mb.data_words(SMALL), mb.row_words(SMALL)) == (43, 44)
+    assert (layout.data_words(SMALL), layout.row_words(SMALL)) == (43, 44)
     # A counter per 16-row tile of the 896 router and 3584 latent rows; of 26 and 34 at SMALL.
-    assert (mb.ticket_count(mf.KIMI_K3), mb.ticket_count(SMALL)) == (56 + 224, 2 + 3)
+    assert (tickets_of(mf.KIMI_K3), tickets_of(SMALL)) == (56 + 224, 2 + 3)
 
 
 def test_create_is_armed():
@@ -134,6 +142,28 @@ def test_create_is_armed():
 def test_create_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         mf.Mailbox.create(SMALL, **kwargs)
+
+
+def test_create_takes_numpy_integers():
+    """A capacity or generation count read from a NumPy array (``np.int64``, ``np.int32``) is an
+    int: the same mailbox as from Python ints, which then carries a step."""
+    box = mf.Mailbox.create(SMALL, capacity=np.int64(8))
+    assert box.buffer.shape == (3, 8, 44) and box.buffer.dtype == jnp.uint32
+    assert (box.generations, box.capacity, box.words) == (3, 8, 44)
+    assert all(type(n) is int for n in (box.generations, box.capacity, box.words))
+    assert_armed(box, 0)
+    two = mf.Mailbox.create(SMALL, capacity=np.int64(8), generations=np.int32(2))
+    assert (two.generations, two.capacity) == (2, 8)
+    assert two.control.dtype == jnp.int32
+    assert_armed(two, 0)
+    for a, b in zip(jax.tree.leaves(two), jax.tree.leaves(mf.Mailbox.create(SMALL, 8, 2))):
+        assert_bits_equal(a, b)
+    shards = shards_with_negative_zeros(SMALL, 8, seed=11)
+    got_logits, got_latent, status, box = mb.exchange(box, *shards, backend="xla")
+    assert int(status) == 0
+    assert_bits_equal(got_logits, canonical_logits(shards[0]))
+    assert_bits_equal(got_latent, canonical_latent(shards[1]))
+    assert_armed(box, 1)
 
 
 def test_create_rejects_odd_latent_shard():
@@ -207,7 +237,7 @@ def test_negative_zero_rows_are_not_the_sentinel():
     logits, latent = shards_with_negative_zeros(SMALL, 4, seed=0)
     published = mb.publish(box, logits, latent, backend="xla")
     rows = np.asarray(published.buffer)[0, :4]
-    assert not np.any(rows[:, : mb.data_words(SMALL)] == SENTINEL)
+    assert not np.any(rows[:, : layout.data_words(SMALL)] == SENTINEL)
     got_logits, got_latent, status, box = mb.collect(published, 4, backend="xla")
     assert int(status) == 0
     assert_bits_equal(got_logits, canonical_logits(logits))
@@ -360,10 +390,14 @@ def test_bad_mailbox_arguments_are_value_errors(small_params):
 
 
 @pytest.mark.skipif(has_gpu(), reason="checks the refusal on a machine without a GPU")
-def test_kernels_without_a_gpu_are_not_implemented():
+def test_kernels_without_a_gpu_are_a_value_error():
+    """``backend="pallas"`` off a GPU is refused by name, pointing at ``"interpret"``."""
     box = mf.Mailbox.create(SMALL, capacity=2)
-    with pytest.raises(NotImplementedError, match="need an NVIDIA GPU"):
+    with pytest.raises(ValueError, match="backend='pallas'.*use backend='interpret'"):
         mb.collect(box, 2, backend="pallas")
+    with pytest.raises(ValueError, match="backend='pallas'.*use backend='interpret'"):
+        mb.publish(box, *shards_with_negative_zeros(SMALL, 2, seed=0), backend="pallas")
+    assert not box.buffer.is_deleted()
 
 
 def test_lowered_program_aliases_the_mailbox(small_params):
@@ -398,7 +432,7 @@ def test_triton_kernels_compile_for_h200_with_16_byte_volatile_loads(monkeypatch
         ),
         tm.mailbox_collect: (
             ["*u32", "*i32", "*i32", "*u32", "*i32", "*bf16", "*fp32", "*i32"],
-            dict(sizes, SPIN=tm.SPIN_LIMIT, TIMEOUT=mf.Mailbox.TIMEOUT),
+            dict(sizes, SPIN=tm.TRITON_COLLECT_SPIN_LIMIT, TIMEOUT=mf.Mailbox.TIMEOUT),
         ),
     }
     ptx = {}

@@ -24,10 +24,11 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_front_jax as mf
+from moe_front_jax import mailbox as mb
 from moe_front_jax import reference
-from moe_front_jax.bridge import mailbox as mb
 from h200 import H200, lower_for_h200
 from test_mailbox import (
+    SENTINEL,
     SMALL,
     TP2,
     TP8,
@@ -62,15 +63,32 @@ def no_multicast_or_nvshmem(call: str) -> None:
         assert banned not in call, f"the peer publish uses {banned}"
 
 
+def peer_publish(box, logits, latent, axis_name=None):
+    """``peer_mailbox.publish`` over the mailbox's arrays; returns ``(mailbox, status)``."""
+    from moe_front_jax.bridge import peer_mailbox
+
+    buffer, control, status = peer_mailbox.publish(box.buffer, box.control, logits, latent, box.cfg,
+                                                   axis_name)
+    return dataclasses.replace(box, buffer=buffer, control=control), status
+
+
+def triton_collect(box, batch, status):
+    """``triton_mailbox.collect`` over the mailbox's arrays; returns ``(logits, latent, status,
+    mailbox)``."""
+    from moe_front_jax.bridge import triton_mailbox
+
+    logits, latent, status, buffer, control = triton_mailbox.collect(
+        box.buffer, box.control, status, batch, box.cfg)
+    return logits, latent, status, dataclasses.replace(box, buffer=buffer, control=control)
+
+
 # ---- CPU: lowering for H200s ----------------------------------------------------------------------
 
 
 def test_peer_publish_lowers_for_one_h200_in_place():
-    from moe_front_jax.bridge import peer_mailbox
-
     box = mf.Mailbox.create(SMALL, capacity=8)
     logits, latent = shards_with_negative_zeros(SMALL, 3, seed=0)
-    text = lower_for_h200(lambda *a: peer_mailbox.publish(*a), box, logits, latent)
+    text = lower_for_h200(peer_publish, box, logits, latent)
     [call] = mosaic_calls(text)
     config = backend_config(call)
     assert "uses_xla_collective_metadata = false" in config
@@ -86,8 +104,6 @@ def test_peer_publish_lowers_for_one_h200_in_place():
 def test_peer_publish_lowers_for_h200s_with_collective_metadata(cfg):
     """Under shard_map over tp H200s of one process the peer pointers come from XLA's collective
     metadata (no NVSHMEM) and the cross-device barrier is skipped."""
-    from moe_front_jax.bridge import peer_mailbox
-
     tp, batch = cfg.tp, 5
     mesh = AbstractMesh((tp,), ("tp",), abstract_device=H200)
     box = mf.Mailbox.create(cfg, capacity=8)
@@ -104,7 +120,7 @@ def test_peer_publish_lowers_for_h200s_with_collective_metadata(cfg):
 
     def rank(buffer, control, logits, latent):
         local = mf.Mailbox(buffer[0], control[0], box.tickets, cfg)
-        local, status = peer_mailbox.publish(local, logits[0], latent[0], axis_name="tp")
+        local, status = peer_publish(local, logits[0], latent[0], axis_name="tp")
         return local.buffer[None], local.control[None], status[None]
 
     run = jax.shard_map(rank, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False)
@@ -253,9 +269,7 @@ def k3_shards():
 @pytest.mark.parametrize("cfg", [mf.KIMI_K3, SMALL], ids=["k3", "small"])
 def test_gpu_peer_publish_matches_the_plain_jax_publish(cfg):
     """The Mosaic GPU publish (a rank storing to itself) leaves the plain-JAX publish's words."""
-    from moe_front_jax.bridge import peer_mailbox, triton_mailbox
-
-    publish = jax.jit(peer_mailbox.publish, donate_argnums=0)
+    publish = jax.jit(peer_publish, donate_argnums=0)
     box = mf.Mailbox.create(cfg, capacity=8)
     plain = mf.Mailbox.create(cfg, capacity=8)
     for t in range(4):
@@ -265,7 +279,7 @@ def test_gpu_peer_publish_matches_the_plain_jax_publish(cfg):
         assert int(status) == 0
         assert_bits_equal(box.buffer, plain.buffer)
         assert_bits_equal(box.control, plain.control)
-        *got, box = triton_mailbox.collect(box, 7 - t, status)
+        *got, box = triton_collect(box, 7 - t, status)
         *_, plain = mb.collect(plain, 7 - t, backend="xla")
         assert int(got[2]) == 0
         assert_bits_equal(got[0], canonical_logits(shards[0]))
@@ -292,16 +306,14 @@ def test_gpu_peer_exchange_equals_the_direct_path_over_steps(k3_shards):
 
 @pytest.mark.gpu
 def test_gpu_peer_exchange_times_out_on_missing_rows_and_recovers(k3_shards):
-    from moe_front_jax.bridge import peer_mailbox, triton_mailbox
-
     box = mf.Mailbox.create(mf.KIMI_K3, capacity=256)
     collect = jax.jit(lambda box: mb.collect(box, 256, backend="pallas"), donate_argnums=0)
     logits, _, status, box = collect(box)  # never published
     assert int(status) == mf.Mailbox.TIMEOUT
-    assert np.all(np.asarray(logits).view(np.uint32) == mb.SENTINEL)
+    assert np.all(np.asarray(logits).view(np.uint32) == SENTINEL)
     assert_armed(box, 0)
-    box, status = jax.jit(peer_mailbox.publish)(box, *k3_shards(2, seed=9))
-    *_, status, box = triton_mailbox.collect(box, 3, status)  # row 2 never published
+    box, status = jax.jit(peer_publish)(box, *k3_shards(2, seed=9))
+    *_, status, box = triton_collect(box, 3, status)  # row 2 never published
     assert int(status) == mf.Mailbox.TIMEOUT
     assert_bits_equal(box.buffer, expected_armed(mf.KIMI_K3, 3, 256))
     logits, latent = k3_shards(3, seed=10)

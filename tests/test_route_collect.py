@@ -5,6 +5,7 @@ timeouts, lowering for an H200, and on a GPU against the jax-triton collect and 
 Expected values come from the plain-JAX protocol (``mailbox.collect`` with ``backend="xla"``), the
 reference routing and the direct path, never from the kernel under test."""
 
+import dataclasses
 import time
 
 import jax
@@ -13,11 +14,11 @@ import numpy as np
 import pytest
 
 import moe_front_jax as mf
+from moe_front_jax import mailbox as mb
 from moe_front_jax import reference
-from moe_front_jax.bridge import mailbox as mb
-from moe_front_jax.pallas import plan as pallas_plan
-from moe_front_jax.pallas import route as rt
-from moe_front_jax.pallas import route_collect as rc
+from moe_front_jax.pallas.plan import kernel as pallas_plan
+from moe_front_jax.pallas.route import kernel as rt
+from moe_front_jax.pallas.route_collect import kernel as rc
 from h200 import lower_for_h200
 import oracle
 from test_mailbox import (
@@ -40,9 +41,18 @@ def bias_of(cfg, seed):
     return jnp.asarray(rng.uniform(-0.05, 0.05, cfg.experts).astype(np.float32))
 
 
-def interpret(box, bias, batch, spin_limit=rc.SPIN_LIMIT, with_plan=False, config=None):
+def on_mailbox(box, status, bias, batch, **kwargs):
+    """``rc.route_collect`` over the mailbox's arrays; returns its outputs with the buffer and control
+    put back into the mailbox: ``(ids, weights, logits, latent, [plan,] status, mailbox)``."""
+    *out, buffer, control = rc.route_collect(box.buffer, box.control, status, bias, batch, box.cfg,
+                                             **kwargs)
+    return (*out, dataclasses.replace(box, buffer=buffer, control=control))
+
+
+def interpret(box, bias, batch, spin_limit=rc.ROUTE_COLLECT_SPIN_LIMIT, with_plan=False,
+              config=None):
     return jax.jit(
-        lambda box, status, bias: rc.route_collect(
+        lambda box, status, bias: on_mailbox(
             box, status, bias, batch, interpret=True, spin_limit=spin_limit, with_plan=with_plan,
             config=config,
         )
@@ -180,20 +190,27 @@ def test_argument_errors():
     box = mf.Mailbox.create(SMALL, capacity=4)
     bias = bias_of(SMALL, 0)
     zero = jnp.zeros((), jnp.int32)
-    with pytest.raises(ValueError, match="over the mailbox capacity 4"):
-        rc.route_collect(box, zero, bias, 5)
+    buffer, control = box.buffer, box.control
+    with pytest.raises(ValueError, match="not a mailbox of 5 or more rows"):
+        rc.route_collect(buffer, control, zero, bias, 5, SMALL)
     with pytest.raises(ValueError, match="batch must be a positive int, got 0"):
-        rc.route_collect(box, zero, bias, 0)
+        rc.route_collect(buffer, control, zero, bias, 0, SMALL)
     with pytest.raises(ValueError, match=r"bias must be \(26,\) float32"):
-        rc.route_collect(box, zero, bias[:3], 2)
+        rc.route_collect(buffer, control, zero, bias[:3], 2, SMALL)
     with pytest.raises(ValueError, match="status must be an int32 scalar"):
-        rc.route_collect(box, jnp.zeros((1,), jnp.int32), bias, 2)
-    with pytest.raises(ValueError, match="mailbox must be a Mailbox"):
-        rc.route_collect("box", zero, bias, 2)
+        rc.route_collect(buffer, control, jnp.zeros((1,), jnp.int32), bias, 2, SMALL)
+    with pytest.raises(ValueError, match=r"buffer \(\) and control \(2,\) are not a mailbox"):
+        rc.route_collect("box", control, zero, bias, 2, SMALL)
+    with pytest.raises(ValueError, match=r"and control \(1,\) are not a mailbox of 2 or more rows"):
+        rc.route_collect(buffer, control[:1], zero, bias, 2, SMALL)
+    with pytest.raises(ValueError, match="are not a mailbox of 2 or more rows laid out for"):
+        rc.route_collect(buffer, control, zero, bias_of(WIDE, 0), 2, WIDE)
     odd = mf.FrontConfig(hidden=64, experts=26, top_k=4, latent=36, shared=0, plan_block=3)
     assert rc.fuses_plan(SMALL) and rc.fuses_plan(mf.KIMI_K3) and not rc.fuses_plan(odd)
-    with pytest.raises(ValueError, match="plan_block that is a power of two >= 2, got 3"):
-        rc.route_collect(mf.Mailbox.create(odd, capacity=4), zero, bias_of(odd, 0), 2, with_plan=True)
+    odd_box = mf.Mailbox.create(odd, capacity=4)
+    with pytest.raises(NotImplementedError, match="plan_block that is a power of two >= 2, got 3"):
+        rc.route_collect(odd_box.buffer, odd_box.control, zero, bias_of(odd, 0), 2, odd,
+                         with_plan=True)
 
 
 @pytest.mark.parametrize(
@@ -205,7 +222,7 @@ def test_lowers_for_h200_as_one_kernel_updating_the_mailbox_in_place(batch, with
     cfg = mf.KIMI_K3
     box = mf.Mailbox.create(cfg, capacity=256)
     text = lower_for_h200(
-        lambda box, status, bias: rc.route_collect(
+        lambda box, status, bias: on_mailbox(
             box, status, bias, batch, with_plan=with_plan, config=config
         ),
         box, jnp.zeros((), jnp.int32), bias_of(cfg, 0),
@@ -236,7 +253,7 @@ def test_gpu_equals_the_collect_kernel_then_the_route_and_plan_kernels(batch):
     cfg = mf.KIMI_K3
     bias = bias_of(cfg, 2)
     fused = jax.jit(
-        lambda box, s: rc.route_collect(box, s, bias, batch, with_plan=True), donate_argnums=0
+        lambda box, s: on_mailbox(box, s, bias, batch, with_plan=True), donate_argnums=0
     )
     box = mf.Mailbox.create(cfg, capacity=256)
     plain = mf.Mailbox.create(cfg, capacity=256)
@@ -259,14 +276,14 @@ def test_gpu_equals_the_collect_kernel_then_the_route_and_plan_kernels(batch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("select", ["groups", "argmax"])
 def test_gpu_never_published_rows_time_out_within_a_second(select):
-    """Every program polls its row ``SPIN_LIMIT`` times; the ids are then the routing of the
-    sentinel row (what collect-then-route returns), call after call."""
+    """Every program polls its row ``ROUTE_COLLECT_SPIN_LIMIT`` times; the ids are then the routing of
+    the sentinel row (what collect-then-route returns), call after call."""
     cfg, batch = mf.KIMI_K3, 256
     bias = bias_of(cfg, 3)
     picked = rt.pick_config(batch, cfg.experts, cfg.top_k)
     config = rt.RouteConfig(picked.block_rows, picked.num_warps, select)
     run = jax.jit(
-        lambda box: rc.route_collect(box, jnp.zeros((), jnp.int32), bias, batch, config=config),
+        lambda box: on_mailbox(box, jnp.zeros((), jnp.int32), bias, batch, config=config),
         donate_argnums=0,
     )
     box = mf.Mailbox.create(cfg, capacity=256)
