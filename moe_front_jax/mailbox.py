@@ -425,18 +425,29 @@ def gemm_exchange_route(
     buffer, control, tickets, status = dispatch.run("front_gemm_publish", backend, *args,
                                                     plan_block=plan_block)
     mailbox = _with(mailbox, buffer, control, tickets)
-    return _route_published(mailbox, status, bias, x.shape[0], backend, plan)
+    return _route_published(mailbox, status, bias, x.shape[0], backend, plan, permute)
 
 
-def _route_published(mailbox: Mailbox, status, bias, batch: int, backend: str, plan: bool) -> tuple:
-    """``exchange_route`` after the publish: ``route_collect`` where its kernel runs, else collect,
-    route and plan."""
+def _route_published(mailbox: Mailbox, status, bias, batch: int, backend: str, plan: bool,
+                     permute: bool) -> tuple:
+    """``exchange_route`` after the publish: ``route_collect`` (then the stage ``permute`` over its
+    ids) where its kernel runs, else collect, route (with the order) and plan."""
     cfg = mailbox.cfg
     args = (*_arrays(mailbox), status, bias, batch, cfg)
-    if plan and dispatch.choose("route_collect", backend, *args, with_plan=True).kernel:
-        *out, status, buffer, control = dispatch.run("route_collect", backend, *args, with_plan=True)
-        return (*out, status, _with(mailbox, buffer, control))
+    try:  # a plan the fused kernel does not write (plan_block 1) takes the separate kernels
+        fused = plan and dispatch.choose("route_collect", backend, *args, with_plan=True).kernel
+    except NotImplementedError:
+        fused = False
+    if fused:
+        ids, *out, status, buffer, control = dispatch.run("route_collect", backend, *args,
+                                                          with_plan=True)
+        dispatched = tuple(dispatch.run("permute", backend, ids, cfg)) if permute else None
+        return (ids, *out, status, dispatched, _with(mailbox, buffer, control))
     logits, latent, status, mailbox = _collect(mailbox, status, batch, backend)
-    ids, weights = dispatch.run("route", backend, logits, bias, cfg)
+    if permute:
+        ids, weights, *dispatched = dispatch.run("route", backend, logits, bias, cfg, permute=True)
+        dispatched = tuple(dispatched)
+    else:
+        (ids, weights), dispatched = dispatch.run("route", backend, logits, bias, cfg), None
     planned = dispatch.run("plan", backend, latent, cfg.plan_block) if plan else None
-    return ids, weights, logits, latent, planned, status, mailbox
+    return ids, weights, logits, latent, planned, status, dispatched, mailbox

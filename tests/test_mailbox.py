@@ -197,6 +197,23 @@ def test_mailbox_output_equals_direct_over_steps(small_params, backend):
         assert_armed(box, t + 1)
 
 
+def test_a_plan_route_collect_does_not_write_takes_the_separate_kernels():
+    """``route_collect`` writes the plan for plan blocks of 2 or more; with ``plan_block=1`` the
+    mailbox path collects, routes and plans with the separate kernels and equals the direct path."""
+    cfg = dataclasses.replace(SMALL, plan_block=1)
+    params = mf.pack_params(mf.init_weights(jax.random.key(5), cfg), cfg)
+    x = rows_of(cfg, 3, seed=1)
+    want = mf.moe_front(x, params, plan=True, backend="interpret")
+    got, box = mf.moe_front(x, params, plan=True, backend="interpret",
+                            mailbox=mf.Mailbox.create(cfg, capacity=4))
+    assert int(got.status) == 0
+    assert_bits_equal(got.ids, want.ids)
+    assert_bits_equal(got.weights, want.weights)
+    plan = reference.mxfp8_plan(jnp.asarray(canonical_latent(want.latent)), 1)
+    assert_bits_equal(got.plan[0], plan[0])
+    assert_bits_equal(got.plan[1], plan[1])
+
+
 @pytest.mark.parametrize("plan, collector", [(False, "route"), (True, "route_collect")])
 def test_kernel_path_publishes_from_the_gemm_epilogue(small_params, plan, collector):
     """Where the front GEMM kernel runs, the mailbox path is that kernel publishing from its epilogue
