@@ -58,7 +58,8 @@ def kind_folder(kind: str) -> str:
 def tuning_entries(kind: str, table: str) -> dict[str, dict]:
     """The ``entries`` of ``pallas/tuning/<kind_folder(kind)>/<table>.json`` (installed as package
     data), or ``{}`` where that device kind has no such table."""
-    path = resources.files("moe_front_jax.pallas").joinpath("tuning", kind_folder(kind), f"{table}.json")
+    folder = resources.files("moe_front_jax.pallas").joinpath("tuning", kind_folder(kind))
+    path = folder.joinpath(f"{table}.json")
     if not path.is_file():
         return {}
     return json.loads(path.read_text())["entries"]

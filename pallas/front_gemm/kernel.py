@@ -1,75 +1,28 @@
-"""The weight-stationary front GEMM as one Pallas kernel (SPEC section 3, and section 5's plan).
+"""The front GEMM as one Pallas Triton kernel (SPEC sections 3 and 5): router logits and the latent
+from one pass over the packed weight.
 
-``front_gemm(x, packed, split, valid)`` computes, in one pass over the packed weight,
+    y = x @ packed.T (float32)     logits = y[:, :valid]     latent_shard = bf16(y[:, split:])
 
-    y            = x @ packed.T            float32 accumulation, [B, n]
-    logits       = y[:, :valid]            float32, [B, valid]
-    latent_shard = bf16(y[:, split:])      round to nearest even, [B, n - split]
+``front_gemm_plan`` also writes the latent's MXFP8 plan from the same epilogue (the plan kernel's
+``quantize_tile``); ``front_gemm_publish`` writes logits and latent as a tp = 1 mailbox's words
+(SPEC section 7) instead. No slice, cast, plan or publish kernel follows.
 
-and ``front_gemm_plan`` also writes, from the same epilogue, the MXFP8 plan of the latent shard
-(``reference.mxfp8_plan``; the tile math is ``plan.quantize_tile``, shared with the standalone plan
-kernel): values float8_e4m3fn ``[B, n - split]`` and E8M0 scales ``[B, (n - split) / block]``.
-Nothing else runs: no slice, cast or plan kernel after it. ``front_gemm_publish`` writes the same
-logits and latent, as canonical words, straight into a tp = 1 Lamport mailbox (SPEC section 7)
-instead: the publish of ``mailbox.publish`` done by the epilogue, so no publish kernel follows.
+At decode batches the GEMM is bound by reading the weight once, so each program streams one slab of
+it (``gemm.schedule``). Router tiles cover rows ``[0, valid)`` and latent tiles start at ``split``:
+the padding rows are never read, a tile feeds one output, and MXFP8 blocks never straddle tiles. A
+tp8 shard's 560 rows are too few tiles for 132 SMs, so K is split (the tile's last program sums
+the partials and runs the epilogue, ``gemm.triton``) or cut stream-K; at B <= 8 the vector schedule
+needs neither (H200 tp1 B=1: 17.8 us against 20.7 for the best tensor-core one, docs/findings.md).
+Triton rather than Mosaic GPU: a pipelined K loop, small-M dots, masks and atomics are what it does
+well.
 
-Schedule. At decode batches the GEMM is bound by reading the weight, so each program streams one
-contiguous slab of it: ``block_rows`` rows by a ``H / split_k`` chunk of K, in ``block_k`` steps that
-Triton's software pipeliner keeps ``num_stages`` deep in flight. The tiles of rows are laid out per
-region: router tiles from row 0 up to ``valid``, latent tiles from ``split`` up to ``n``, so the zero
-padding rows ``[valid, split)`` are never read, every tile is wholly router or wholly latent (its
-epilogue writes one output), and the latent tiles start at the latent's first row, so MXFP8 blocks
-never straddle tiles whatever ``split`` is. The row tiles alone are too few to fill 132 SMs (a tp8
-shard has 560 rows), so K is split over ``split_k`` programs per tile: each writes its float32 partial
-tile to a workspace, then takes a ticket from the tile's counter (an acquire-release atomic after a
-CTA barrier); the last of the tile's programs to arrive sums the ``split_k`` partials in a fixed order
-(so results do not depend on arrival order) and runs the epilogue (``gemm.triton.finish_split_k``, shared
-with the shared expert's kernels). That reduction lives in the GEMM
-kernel rather than in a second Pallas kernel so that no cast or reduction pass follows it; its price
-is the partials' round trip through L2 (``2 * 4 * B * n * split_k`` bytes when split) and a zeroed
-int32 counter per tile. The tile's last program zeroes its counter again, so counters kept from call
-to call need no zeroing: ``front_gemm_publish`` keeps them in the mailbox (``Mailbox.tickets``),
-where ``front_gemm`` and ``front_gemm_plan`` take a fresh zeroed buffer per call, which XLA writes
-with a broadcast kernel before the GEMM (0.64 us on the H200: JAX has no persistent scratch
-outside the state a caller threads).
-
-Stream-K (``FrontGemmConfig(programs=P)``): the ``tiles x steps`` iterations (one ``block_k`` step
-of one tile) are cut into ``P`` equal runs, one per program, so every program streams the same number
-of weight bytes whatever the tile count, where the grid of ``split_k x tiles`` programs leaves some
-SMs a program more than others at its end. A run covers parts of one or more tiles; each part's
-float32 partial goes to a workspace slot ``[program, segment]`` and takes a ticket from its tile's
-counter, and the tile's last contributor sums its contributors' partials in program order and runs
-the same epilogue (``gemm.triton.stream_k``, shared with the shared expert's kernels). Partials:
-``4 * block_rows * B_tile`` bytes written and read back per segment.
-
-Vector (``FrontGemmConfig(vector=True)``, ``B <= 8``): one program per ``block_rows`` rows (any power of
-two, so the grid covers the SMs even at tp8) over all of K, multiply-adds on the CUDA cores into one
-float32 ``[block_rows, block_k]`` accumulator per batch row, summed over its lanes at the end. No
-split, so no counters, no zeroing kernel and no partials: what split-K and stream-K pay at tp8. The
-K steps are unrolled (Triton pipelines only loads that feed a dot) and the arithmetic is ``2 * B``
-FLOP per weight element, so it is a schedule for the smallest batches only. No plan epilogue.
-Measured on the H200 (benchmarks/RESULTS.md, sixth session): the fastest schedule at B = 1 and 2 at
-every tp (tp1 B=1 17.8 us, 3.6 TB/s, against 20.7 for the best tensor-core schedule; tp8 B=1 4.1
-against 6.7); at tp1 1.5x (B=4) and 3x (B=8) slower than them. Not profiled; the compiled code
-issues fewer of a program's weight loads ahead of its multiply-adds as B grows
-(``gemm.triton.vector_stream``).
-
-Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working). The kernel needs exactly what
-Triton does well: a K loop whose loads the software pipeliner turns into ``num_stages`` asynchronous
-copies, small-M tensor-core dots, masks, and global atomics. Mosaic GPU (``plgpu.kernel``) would need
-the pipeline, the tiny-M tensor-core tiles and the split-K handshake written by hand.
-
-Cost per call (bf16 = 2 bytes; ``shard = n - split``; ``P`` the partials, 0 when ``split_k == 1``):
-  bytes  = 2 * (valid + shard) * H     the weight (the padding rows are not read): 64.2 MB at tp1,
-                                        8.0 MB at tp8 for K3
-         + 2 * B * H                   x (read from L2 by every tile: ``2 * B * H * tiles`` there)
-         + 4 * B * valid + 2 * B * shard   logits and latent written
-         + B * shard * (1 + 1 / block) the plan, when asked for
-         + P = 8 * B * (valid + shard) * split_k   partial tiles written and read back
-  FLOPs  = 2 * B * (valid + shard) * H  (the vector schedule's on the CUDA cores: 64 MFLOP a batch
-                                        row at tp1, about 1 us at the H200's 67 TFLOP/s of float32)
-so the arithmetic intensity is about B FLOP/byte: memory-bound up to B of a few hundred on an H200,
-whose floor is the weight bytes over the HBM read bandwidth (13.8 us at tp1, 1.73 us at tp8).
+Cost per call (bf16 = 2 bytes; ``shard = n - split``):
+  bytes = 2 (valid + shard) H             the weight, 64.2 MB at tp1 and 8.0 MB at tp8 for K3
+        + 2 B H + 4 B valid + 2 B shard   x read, logits and latent written
+        + B shard (1 + 1 / block)         the plan, when asked for
+        + 8 B (valid + shard) split_k     partials written and read back, when K is split
+  FLOPs = 2 B (valid + shard) H           about B FLOP/byte: memory-bound at decode batches
+Floor on an H200 (4.65 TB/s): 13.8 us at tp1, 1.73 us at tp8.
 """
 
 from __future__ import annotations
@@ -83,26 +36,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_front_jax.reference import mailbox as mb
-from moe_front_jax.pallas.plan.kernel import quantize_tile
 from moe_front_jax.config import FrontConfig
-from moe_front_jax.pallas.device import core_count, measured_faster, table_kinds, tuning_entries
-from moe_front_jax.pallas.gemm.schedule import (
-    MAX_BATCH,
-    MIN_DOT,
-    VECTOR_MAX_BATCH,
-    GemmConfig,
-    padded_batch,
-    split_for_cores,
-)
-from moe_front_jax.pallas.gemm.triton import (
-    StreamK,
-    finish_split_k,
-    masked_load,
-    split_k_workspace,
-    stream_k,
-    vector_stream,
-)
+from moe_front_jax.pallas.device import tuning_entries
+from moe_front_jax.pallas.gemm import schedule
+from moe_front_jax.pallas.gemm import triton as gemm_triton
+from moe_front_jax.pallas.gemm.schedule import MIN_DOT, GemmConfig, padded_batch
+from moe_front_jax.pallas.plan.kernel import quantize_tile
+from moe_front_jax.reference import mailbox as mb
+
 
 @dataclasses.dataclass(frozen=True)
 class FrontGemmConfig(GemmConfig):
@@ -122,7 +63,7 @@ class FrontGemmConfig(GemmConfig):
 
 def table_key(valid: int, shard: int, hidden: int, batch: int) -> str:
     """Key of a tuning-table entry: the shard's shape and the batch rounded up to a power of two."""
-    return f"valid={valid},shard={shard},hidden={hidden},batch={1 << (batch - 1).bit_length()}"
+    return f"valid={valid},shard={shard},hidden={hidden},batch={schedule.batch_key(batch)}"
 
 
 @functools.cache
@@ -143,49 +84,30 @@ def load_table(kind: str) -> dict[tuple[str, bool], FrontGemmConfig]:
 
 
 def heuristic_config(valid: int, shard: int, hidden: int, batch: int, cores: int) -> FrontGemmConfig:
-    """A schedule for a device without a table.
-
-    Rows per program grow with the batch (each tile re-reads ``x`` from L2, ``B / block_rows`` bytes
-    per weight byte); K is split, keeping at least two K steps per program, until every one of
-    ``cores`` SMs has a program; the pipeline is as deep as 160 KiB of shared memory allows (up to 5).
-    """
+    """A schedule for a device without a table (``gemm.schedule.heuristic``): 32 rows per
+    program up to a batch tile of 32, 64 up to 64, then 128 (each tile re-reads ``x`` from L2,
+    ``B / block_rows`` bytes per weight byte)."""
     bp = padded_batch(batch)
     block_rows = 32 if bp <= 32 else 64 if bp <= 64 else 128
-    block_k = next(k for k in ((64, 32, 16) if bp >= 128 else (128, 64, 32, 16)) if hidden % k == 0)
     tiles = -(-valid // block_rows) + -(-shard // block_rows)
-    steps = hidden // block_k
-    split_k = split_for_cores(tiles, steps, cores)
-    num_warps = 8 if block_rows * bp >= 128 * 128 else 4
-    depth = (160 * 1024) // (2 * block_k * (block_rows + bp))
-    num_stages = max(2, min(5, depth, steps // split_k))
-    return FrontGemmConfig(block_rows, block_k, split_k, num_warps, num_stages)
+    return schedule.heuristic(tiles, hidden, block_rows, batch, cores, config_type=FrontGemmConfig)
 
 
 def pick_config(
     valid: int, shard: int, hidden: int, batch: int, plan: bool = False
 ) -> FrontGemmConfig:
-    """The table's entry for this shape (with or without the plan epilogue) on the target device,
-    else ``heuristic_config``."""
-    tables = [load_table(kind) for kind in table_kinds()]
-    # The batch's own power of two (the vector schedules are tuned per small batch), then the
-    # tensor-core batch tile it pads to; each in the device's own table, then the borrowed one.
-    for key in (table_key(valid, shard, hidden, batch), table_key(valid, shard, hidden,
-                                                                  padded_batch(batch))):
-        for table in tables:
-            found = table.get((key, plan))
-            if found is not None:
-                return found
-    return heuristic_config(valid, shard, hidden, batch, core_count())
+    """The target device's table entry for this shape, with or without the plan epilogue
+    (``gemm.schedule.lookup``), else ``heuristic_config``."""
+    return schedule.lookup(load_table, lambda size: (table_key(valid, shard, hidden, size), plan),
+                         batch, lambda cores: heuristic_config(valid, shard, hidden, batch, cores))
 
 
 def auto_prefers_kernel(x, packed, split, valid) -> bool:
     """``backend="auto"``'s choice for ``front_gemm(x, packed, split, valid)``: True where the target
     device's auto table measured this kernel faster than ``reference.front_gemm`` at these shapes
-    (``device.measured_faster``; the batch takes its power of two's entry)."""
-    if getattr(x, "ndim", 0) != 2 or getattr(packed, "ndim", 0) != 2 or x.shape[0] < 1:
-        return False  # the reference raises the error that names the argument
-    return measured_faster(
-        "front_gemm", table_key(valid, packed.shape[0] - split, x.shape[1], x.shape[0]))
+    (``gemm.schedule.auto_prefers``)."""
+    return schedule.auto_prefers("front_gemm", x, packed,
+                        lambda: table_key(valid, packed.shape[0] - split, x.shape[1], x.shape[0]))
 
 
 def auto_prefers_publish(x, packed, split, valid, buffer, control, tickets, cfg, *,
@@ -270,15 +192,11 @@ def _rows_ok(first_row, end_row, rows: int):
 
 FOLD_K = 2048
 """A chain of dots longer than ``FOLD_K`` of K is folded into a second float32 sum every ``FOLD_K``
-(at the same K positions whatever the partition). The H200's chained tensor-core accumulation loses
-precision in proportion to the chain's length: on K3's shapes a chain over all 7168 of K left logits
-1.8-2.4x the contract's 1e-5 off a float64 product, one of 3584 1.0-1.05x, one of 1792 within it
-(tune_front_gemm, 2026-12-03). Shorter chains are not folded: the fold costs registers and the
-dots' asynchronous chaining (at tp1, B=128, a grid schedule with chains of 1792 took 51.5 us folded
-every 1024, where the table's run of 2026-12-02 timed it at 35.2 us unfolded). ``block_k`` must stay
-below ``FOLD_K``: at one step per fold the flag is constant and the fold gave no precision (block_k
-1024 at FOLD_K 1024: 1.8-2.4x the bound), presumably Triton merging the sum back into the dots'
-accumulator."""
+(at the same K positions whatever the partition): the H200's chained tensor-core accumulation loses
+precision with the chain's length, and one chain over K3's 7168 left logits 1.8-2.4x the contract's
+1e-5 off (docs/findings.md). Shorter chains are not folded (the fold costs registers and the dots'
+asynchronous chaining: folding every 1024 made B=128-256 20-45% slower). ``block_k`` must stay below
+``FOLD_K``: at one step per fold the fold gave no precision."""
 
 
 def _accumulate(x_ref, w_ref, g: Geometry, first_row, row_ok, batch_ok, step_lo, step_hi,
@@ -299,8 +217,9 @@ def _accumulate(x_ref, w_ref, g: Geometry, first_row, row_ok, batch_ok, step_lo,
         total, acc = carry if fold else (None, carry)
         k = pl.multiple_of((step_lo + i) * bk, bk)
         # The weight is read once per call: first out of L2, so x and the partials stay.
-        w = masked_load(w_ref.at[pl.ds(first_row, bn), pl.ds(k, bk)], rows_mask, "evict_first")
-        xs = masked_load(x_ref.at[pl.ds(0, bp), pl.ds(k, bk)], batch_mask)
+        w = gemm_triton.masked_load(w_ref.at[pl.ds(first_row, bn), pl.ds(k, bk)], rows_mask,
+                                    "evict_first")
+        xs = gemm_triton.masked_load(x_ref.at[pl.ds(0, bp), pl.ds(k, bk)], batch_mask)
         acc = acc + lax.dot_general(
             w, xs, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
@@ -335,11 +254,9 @@ class _Outputs:
     def close(self, first_program) -> None:
         """Publishing, at the end of the grid's first program only: record the generation in
         ``control[1]`` and zero the status word, values no program of this grid reads. One program:
-        on the H200 the stores of 2240 programs into these two words (the vector schedule at
-        B = 1) took the kernel from 17.6 to 35.8 us. At the end because a store waits for its
-        value: at the start it would wait for the control word's load, and the compiled code for
-        sm_90 puts the weight's loads behind it. First against last, one program storing, was not
-        timed."""
+        every program storing into these two words took the H200's vector schedule at B = 1 from
+        17.6 to 35.8 us. At the end: a store waits for its value, and at the start that is the
+        control word's load, which the compiled code for sm_90 puts the weight's loads behind."""
         if self.buffer is not None:
 
             @pl.when(first_program)
@@ -351,7 +268,7 @@ class _Outputs:
 def _outputs(g: Geometry, refs: list) -> tuple[_Outputs, object, object]:
     """Split a kernel's refs after ``x`` and ``w``: the aliased inputs (counters, mailbox), then the
     outputs in ``_call``'s order. Returns ``(outputs, partials_ref, counters_ref)``; publishing, the
-    generation written is ``(control[0] + 1) mod G``, as ``mailbox.publish`` has it."""
+    generation written is ``(control[0] + 1) mod G``, as ``reference.mailbox.publish`` has it."""
     workspace = bool(g.config.programs) or g.config.split_k > 1
     refs = refs[int(workspace) + 2 * g.publish:]  # inputs aliased to outputs: use the outputs
     if g.publish:
@@ -431,7 +348,7 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     steps = g.k_chunk // cfg.block_k
     acc = _accumulate(x_ref, w_ref, g, first_row, row_ok, batch_ok, part * steps, part * steps + steps,
                       steps)
-    finish_split_k(
+    gemm_triton.finish_split_k(
         [acc], partials_ref, counters_ref, split_k=cfg.split_k, part=part, tile=tile,
         mask=batch_ok.T, interpret=interpret,
         epilogue=lambda y: _store_tile(y, g, first_row, is_latent, row_ok, batch_ok, outs),
@@ -444,7 +361,7 @@ def _stream_k_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     tile stored by its last contributor."""
     g, cfg = geometry, geometry.config
     outs, partials_ref, counters_ref = _outputs(g, list(refs))
-    sk = StreamK(g.tiles, g.hidden // cfg.block_k, cfg.programs)
+    sk = gemm_triton.StreamK.of(cfg, g.tiles, g.hidden)
     batch_ok = lax.broadcasted_iota(jnp.int32, (g.batch_tile, 1), 0) < g.batch
 
     def segment(tile, lo, hi):
@@ -454,7 +371,8 @@ def _stream_k_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
                           min(sk.share, sk.steps))
         return [acc], lambda y: _store_tile(y, g, first_row, is_latent, row_ok, batch_ok, outs)
 
-    stream_k(sk, partials_ref, counters_ref, segment, mask=batch_ok.T, interpret=interpret)
+    gemm_triton.stream_k(sk, partials_ref, counters_ref, segment, mask=batch_ok.T,
+                         interpret=interpret)
     outs.close(pl.program_id(0) == 0)
 
 
@@ -472,8 +390,8 @@ def _vector_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
     firsts = tuple(first_row + j * bn for j in range(g.tile_rows // bn))
     masks = [_rows_ok(first, end_row, bn) for first in firsts]
     ragged = g.valid % g.tile_rows or g.shard % g.tile_rows
-    blocks = vector_stream(x_ref, w_ref, firsts, batch=g.batch, depth=g.hidden, config=g.config,
-                           rows_masks=masks if ragged else None)
+    blocks = gemm_triton.vector_stream(x_ref, w_ref, firsts, batch=g.batch, depth=g.hidden,
+                                       config=g.config, rows_masks=masks if ragged else None)
     for b in range(g.batch):
         row = jnp.int32(b)
         ys = [block[b] for block in blocks]  # each [block_rows] float32
@@ -505,10 +423,7 @@ def _vector_kernel(x_ref, w_ref, *refs, geometry: Geometry, interpret: bool):
 
 
 def _check(x, packed, split, valid, block) -> None:
-    for name, array in (("x", x), ("packed", packed)):
-        shape = getattr(array, "shape", None)
-        if shape is None or len(shape) != 2 or array.dtype != jnp.bfloat16:
-            raise ValueError(f"{name} must be a 2-D bfloat16 array, got {shape} {getattr(array, 'dtype', None)}")
+    schedule.check_matrices(x=x, packed=packed)
     (batch, hidden), (rows, packed_hidden) = x.shape, packed.shape
     if packed_hidden != hidden:
         raise ValueError(f"packed must have x's width {hidden} as its last dimension, got {packed.shape}")
@@ -528,11 +443,7 @@ def _check(x, packed, split, valid, block) -> None:
             raise ValueError(
                 f"the latent shard (rows - split = {rows - split}) must be a multiple of block={block}"
             )
-    if batch > MAX_BATCH:
-        raise NotImplementedError(
-            f"front_gemm covers B <= {MAX_BATCH} rows per call, got B={batch}; split the batch, or use "
-            "backend='xla'"
-        )
+    schedule.check_batch_covered("front_gemm", batch)
     if hidden % MIN_DOT:
         raise NotImplementedError(
             f"front_gemm needs the hidden size to be a multiple of {MIN_DOT}, got {hidden}; use "
@@ -548,8 +459,7 @@ def _resolve(config, valid, shard, hidden, batch, block) -> FrontGemmConfig:
     if config.vector and block is not None:
         raise ValueError(f"{config} is a vector schedule, which has no plan epilogue: pass a "
                          "tensor-core schedule to front_gemm_plan")
-    if config.vector and batch > VECTOR_MAX_BATCH:
-        raise ValueError(f"the vector schedule {config} covers B <= {VECTOR_MAX_BATCH}, got B={batch}")
+    config.check_batch(batch)
     if config.block_k >= FOLD_K:
         raise ValueError(f"FrontGemmConfig.block_k must be below FOLD_K={FOLD_K} (the accumulator's "
                          f"fold), got {config.block_k}")
@@ -582,40 +492,17 @@ def _call(x, packed, split, valid, block, interpret, config, mailbox=None):
             # Bytes: Triton has no E8M0 type. XLA reinterprets them in place (no kernel).
             jax.ShapeDtypeStruct((batch, g.shard // block), jnp.uint8),
         ]
-    args, aliases = [x, packed], {}
-    tickets = mailbox[2] if g.publish else None  # the tile counters kept from call to call
-    if config.vector:
-        kernel, grid = _vector_kernel, (g.tiles,)
-    elif config.programs:
-        sk = StreamK(g.tiles, hidden // config.block_k, config.programs)
-        workspace, counters = sk.workspace(1, config.block_rows, g.batch_tile, tickets)
-        out_shape += workspace
-        args += counters
-        aliases = {2: len(out_shape) - 1}
-        kernel, grid = _stream_k_kernel, (config.programs,)
-    else:
-        workspace, counters = split_k_workspace(config, g.tiles, 1, g.batch_tile, tickets)
-        if counters:
-            out_shape += workspace
-            args += counters
-            aliases = {2: len(out_shape) - 1}
-        kernel, grid = _kernel, (config.split_k, g.tiles)
-    if g.publish:  # the mailbox's buffer and control words, updated in place
-        aliases |= {len(args): 0, len(args) + 1: 1}
-        args += list(mailbox[:2])
-    name = "front_gemm_publish" if g.publish else "front_gemm_plan" if block is not None else "front_gemm"
-    outs = pl.pallas_call(
-        functools.partial(kernel, geometry=g, interpret=interpret),
-        out_shape=out_shape,
-        grid=grid,
-        input_output_aliases=aliases,
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=config.num_warps, num_stages=config.num_stages
-        ),
-        name=name,
-    )(*args)
-    return outs
+    kernel = _vector_kernel if config.vector else _stream_k_kernel if config.programs else _kernel
+    name = ("front_gemm_publish" if g.publish else "front_gemm_plan" if block is not None
+            else "front_gemm")
+    return gemm_triton.launch(
+        functools.partial(kernel, geometry=g, interpret=interpret), x, packed, config=config,
+        tiles=g.tiles, depth=hidden, parts=1, batch_tile=g.batch_tile, out_shape=out_shape,
+        # The mailbox's buffer and control words, updated in place, and the tile counters that the
+        # mailbox keeps from call to call.
+        in_place=mailbox[:2] if g.publish else (), counters=mailbox[2] if g.publish else None,
+        interpret=interpret, name=name,
+    )
 
 
 def front_gemm(

@@ -1,2 +1,2 @@
-"""What the weight-streaming GEMMs share: the schedule (``schedule``) and the Triton pieces of the
-split-K, stream-K and vector schedules (``triton``)."""
+"""What the weight-streaming GEMMs share: the schedule, its lookup and the heuristic (``schedule``),
+and the Triton loads, handshakes and launch (``triton``)."""

@@ -1,23 +1,20 @@
-"""Pieces shared by the weight-streaming Pallas GEMMs (``front_gemm``, ``shared_expert``).
+"""The Triton pieces of the weight-streaming GEMMs (``front_gemm``, ``shared_expert``): loads, the
+vector schedule's pass over K, the split-K and stream-K handshakes, and the launch of a kernel on
+any of the three schedules.
 
-Every decode GEMM of the front has the same schedule: a skinny ``x`` (``B <= 256`` rows) against a
-weight that is read once, so each program streams one slab of the weight, ``block_rows`` rows by a
-``K / split_k`` chunk of K, in ``block_k`` steps that Triton's software pipeliner keeps ``num_stages``
-deep, and, when K is split, the programs of one tile of rows hand their float32 partial tiles to the
-last of them to arrive, which sums them in a fixed order and runs the kernel's epilogue
-(``finish_split_k``). Stream-K (``GemmConfig.programs``) cuts the ``tiles x K steps`` iterations into
-equal runs, one per program, with the same handshake per tile (``stream_k``). This module holds those
-handshakes, the schedule's dataclass, the batch padding, the device lookup and the tuning-table
-reader; the kernels own their loops and epilogues.
+When K is split, the programs of one tile of rows hand their float32 partial tiles to the last of
+them to arrive, which sums them in a fixed order (results do not depend on arrival order) and runs
+the kernel's epilogue (``finish_split_k``). Stream-K (``GemmConfig.programs``) cuts the
+``tiles x K steps`` iterations into equal runs, one per program, with the same handshake per tile
+(``stream_k``). Their price: ``2 * 4 * block_rows * batch_tile`` bytes per partial tile, written and
+read back through L2, and an int32 counter per tile, zeroed by XLA unless the caller keeps them. The
+kernels own their loops over K and their epilogues.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 from collections.abc import Callable, Sequence
-from importlib import resources
 
 import jax
 import jax.numpy as jnp
@@ -42,14 +39,11 @@ def vector_stream(x_ref, w_ref, first_rows, *, batch: int, depth: int, config: G
     ``rows_masks``: None, or per block a ``[block_rows, 1]`` mask of the rows to read (zeros
     elsewhere).
 
-    The K steps are unrolled (no loop): Triton pipelines only loads that feed a dot, so the loads of
-    a loop would wait one by one, where straight-line code lets the compiler issue a program's loads
-    ahead of its multiplies. How far ahead is ptxas's choice: compiled for sm_90, a B=1 program of
-    two rows issues 12 of its 28 weight loads before its first multiply-add, a B=4 program of one
-    row 3 of its 14 (6 with every weight load placed first in the source), a likely reason why
-    the schedule slows down with B (not profiled). Each (row block, batch row) has a float32
-    ``[block_rows, block_k]`` accumulator of elementwise products, summed over its ``block_k``
-    lanes at the end (chains of ``depth / block_k`` additions per lane).
+    The K steps are unrolled: Triton pipelines only loads that feed a dot, so the loads of a loop
+    would wait one by one, where straight-line code lets ptxas issue loads ahead of the
+    multiply-adds (fewer of them as B grows, docs/findings.md). Each (row block, batch row) has a
+    float32 ``[block_rows, block_k]`` accumulator of elementwise products, summed over its
+    ``block_k`` lanes at the end (chains of ``depth / block_k`` additions per lane).
     """
     bn, bk = config.block_rows, config.block_k
     accs = [[jnp.zeros((bn, bk), jnp.float32) for _ in range(batch)] for _ in first_rows]
@@ -155,6 +149,11 @@ class StreamK:
     steps: int
     programs: int
 
+    @classmethod
+    def of(cls, config: GemmConfig, tiles: int, depth: int) -> StreamK:
+        """The partition of ``config``'s stream-K schedule over ``tiles`` tiles of K = ``depth``."""
+        return cls(tiles, depth // config.block_k, config.programs)
+
     @property
     def share(self) -> int:
         return -(-self.tiles * self.steps // self.programs)
@@ -228,3 +227,54 @@ def stream_k(
 
                 zeros = tuple(jnp.zeros(acc.shape, jnp.float32) for acc in accs)
                 epilogue(*lax.fori_loop(first_program, last_program + 1, add, zeros))
+
+
+def launch(
+    kernel: Callable,
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    config: GemmConfig,
+    tiles: int,
+    depth: int,
+    parts: int,
+    batch_tile: int,
+    out_shape: Sequence[jax.ShapeDtypeStruct],
+    in_place: Sequence[jax.Array] = (),
+    counters: jax.Array | None = None,
+    interpret: bool,
+    name: str,
+) -> list[jax.Array]:
+    """``kernel`` over ``config``'s Triton schedule of ``tiles`` tiles (of ``parts`` row blocks)
+    over K = ``depth``: the vector schedule's grid ``(tiles,)``, stream-K's ``(programs,)``, or
+    ``(split_k, tiles)``.
+
+    ``kernel(x_ref, w_ref, [counters_ref], *in_place_refs, *out_refs, [partials_ref,
+    counters_out_ref])``: the tile counters (``counters``, or a fresh zeroed buffer) come where the
+    schedule hands partials over, aliased to the last output; ``in_place`` arrays are aliased to the
+    first outputs. Returns the outputs, ``out_shape``'s then the workspace's.
+    """
+    if config.vector:
+        grid, workspace, counter_args = (tiles,), [], []
+    elif config.programs:
+        sk = StreamK.of(config, tiles, depth)
+        grid = (config.programs,)
+        workspace, counter_args = sk.workspace(parts, config.block_rows, batch_tile, counters)
+    else:
+        grid = (config.split_k, tiles)
+        workspace, counter_args = split_k_workspace(config, tiles, parts, batch_tile, counters)
+    out_shape = [*out_shape, *workspace]
+    args = [x, w, *counter_args]
+    aliases = {2: len(out_shape) - 1} if counter_args else {}
+    aliases |= {len(args) + i: i for i in range(len(in_place))}
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages
+        ),
+        name=name,
+    )(*args, *in_place)

@@ -1,83 +1,28 @@
-"""The shared expert's two GEMMs on Hopper's bulk tensor copies and warpgroup MMAs (Mosaic GPU).
+"""The shared expert's two GEMMs in Mosaic GPU: Hopper's TMA copies into warpgroup MMAs.
 
-The TMA schedule of ``shared_expert`` (``GemmConfig(64, block_k, split_k, 4, depth, tma=True)``,
-B <= 64):
+The TMA schedule of ``shared_expert`` (``GemmConfig(64, block_k, split_k, 4, stages, tma=True)``,
+B <= 64): ``hidden = situ(bf16(x @ gate.T), bf16(x @ up.T))``, then ``hidden @ down.T``. Each CTA
+is one warpgroup that streams 64 weight rows (gate/up: and the matching up rows) over its
+``K / split_k`` chunk through ``emit_pipeline``'s ring of ``num_stages`` TMA stages of ``block_k``
+columns into wgmma. The copy engine keeps the weight in flight with no thread issuing loads, which a
+read at the HBM rate needs (H200 tp1 gate/up: 4.21-4.24 TB/s at B <= 8, docs/findings.md). The
+weight tile is wgmma's M and the batch, padded to a multiple of 8 (``tma_batch_rows``), its N. With
+``batch_m`` the batch is M (64 rows) and a CTA's rows, any multiple of 8, are N, so tp1 fills 128
+SMs instead of 96 and 112 (H100 tp1 B=64: 2.7 us faster; level or slower on the H200).
 
-    kernel 1  hidden[B, S_r] = situ(bf16(x @ gate.T), bf16(x @ up.T))      one CTA per 64 gate rows
-    kernel 2  shared[B, H]   = bf16(hidden @ down.T)                        one CTA per 64 H rows
+The epilogues run on the accumulators' registers (gate/up: bf16 rounding and situ; down: bf16) and
+TMA-store the tile through shared memory. Where K is split (tp8: 768 gate rows are 12 CTAs) or the
+output is float32, CTAs store float32 partials and XLA sums them and runs the epilogue as one
+fusion; the gate/up's ``hidden`` is left as the partials lie, ``[S_r, Bp]`` (``gate_up_situ_t``).
+Each kernel waits first thing for the one before, to be launched with PDL (``LAUNCH_WITH_PDL``).
 
-Each CTA is one warpgroup that streams its weight rows over its ``K / split_k`` chunk (all of K at
-tp1) through ``emit_pipeline``'s ring of ``depth`` TMA stages of ``block_k`` columns: the copy
-engine keeps up to ``depth`` stages of the weight in flight per SM with no thread issuing loads,
-which is what a weight read at the HBM rate needs (``streaming``'s Triton schedules hold their
-bytes in flight in registers). The weight tile is wgmma's M operand and the batch, padded to ``Bp``
-(a multiple of 8), its N: the float32 accumulator is the transposed output tile ``[64, Bp]``, one
-warpgroup's registers. Batch rows past B are TMA
-out-of-bounds reads (zero filled, no memory traffic) and are clipped from the stores. A TMA box holds
-up to 8 rows or a multiple of 8, so a batch of 9-63 that is not a multiple of 8 is padded with zero
-rows first and the output sliced back (one small XLA op each; ``_tma_rows``).
-
-At tp1 no split of K, and so no partial sums, counters or second pass: the gate/up GEMM is
-``S_r / 64 = 96`` CTAs (each 64 gate and the matching 64 up rows, two accumulators) and the down GEMM
-``H / 64 = 112`` CTAs, one wave each on 132 SMs. A weight read bound by HBM needs bytes in flight,
-not SMs: ``depth`` stages of ``2 * 64 * block_k`` bytes (gate/up: twice that) per CTA. The layout
-needs ``S_r`` and ``H`` multiples of 64.
-
-With ``batch_m`` the operands swap roles: ``x``'s copy is ``[64, block_k]`` (TMA_MAX_BATCH rows,
-those past the array zero filled), wgmma's M, and the weight tile is its N, so a CTA's rows may be
-any multiple of 8 (``GemmConfig.batch_m``): at tp1 48 gate rows (and the 48 up rows) make 128 CTAs
-for the gate/up and 56 rows 128 for the down, where 64-row tiles make 96 and 112 and leave SMs idle.
-The accumulators are ``[64, rows]`` and store straight into the ``[B, .]`` output (their first
-``Bp`` rows; no transpose), the partials as ``[split_k, parts, Bp, rows]``. The tensor work is
-that of a batch of 64 whatever B is, and below B=64 every step's ``x`` copy zero fills the rows
-past B: on the H200 that made tp1 B=16/32 slower (74-84 us per call against 65.4-65.7), and at B=64
-it tied with 64-row CTAs (66.9-67.2 against 67.0-67.1); on the H100 it gained 2.7-3.1 us at tp1 B=64
-(92.3-95.0 against 95.0-98.1, three runs) and lost 0.2-0.6 us at B=32. The H100's table runs it at
-tp1 B=64, the H200's nowhere (eighteenth and nineteenth sessions).
-
-The epilogues run on the accumulator's registers: gate/up rounds gate and up to bfloat16 and applies
-``reference.situ`` (the same float32 formula); down rounds to bfloat16. Each result tile is written
-through a transposed shared-memory view into ``[Bp, 64]`` and TMA-stored at columns ``64 * tile`` of
-the ``[B, .]`` output (rows past B clipped). Mosaic GPU in jax 0.11.2 stores a bfloat16 tile through
-a transposed view, not a float32 one.
-
-Every kernel waits for the kernel before it first thing (``LAUNCH_WITH_PDL``), so that it is
-launched with programmatic dependent launch, as XLA launches its own kernels, and the gap between
-the gate/up and the down closes.
-
-Split K (``split_k > 1``: tp8's 768 gate rows are 12 CTAs, so K is split 8-16 ways) and float32
-output (the partial sum under tp): the CTA ``(part, tile)`` stores its float32 accumulators, as they
-lie, into partials ``[split_k, parts, rows, Bp]`` (``_partials``; Mosaic GPU in jax 0.11.2 has no
-transposed float32 store), and XLA sums them over ``split_k`` and runs the epilogue. The gate/up's
-epilogue leaves ``hidden`` in that layout, ``[S_r, Bp]`` (``gate_up_situ_t``): sum, rounding and
-situ are then one XLA fusion, where a transpose to ``[B, S_r]`` split them into a reduction and a
-transpose, 1.0-1.4 us more at tp8 (``benchmarks/split_epilogue_probe.py``, thirteenth session).
-``shared_expert.shared_expert`` hands that ``hidden.T`` to its Triton down as it is;
-``gate_up_situ`` returns it transposed. With ``batch_m`` the partials, and so ``hidden``, are
-batch-major: ``gate_up_situ`` slices it, ``gate_up_situ_t`` transposes it, and
-``shared_expert.shared_expert`` gives a Triton down ``hidden`` itself.
-
-Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the kernels' split_k where they hand XLA partials):
-  bytes = 2 * 2 * S_r * H + 2 * H * S_r    the two weights, each read once (264.2 MB at tp1, 33.0 MB
-                                            at tp8): the bound
-        + 2 * Bp * H * S_r / rows           x re-read from L2 by every gate/up CTA (not HBM; rows =
-                                            block_rows, 64 unless batch_m)
-        + 2 * Bp * S_r * H / rows           hidden re-read from L2 by every down CTA (not HBM)
-        + 2 * B * S_r + 2 * B * H           hidden and shared written
-        + 2 * 4 * Bp * (2 S_r s1 + H s2)    partials written and read back by XLA, where used
-  FLOPs = 2 * Bp * 3 * S_r * H              on the tensor cores (Bp >= 8: 8x B's at B=1, free here;
-                                            with batch_m 64 for Bp)
-so a call is bound by the weight read: 56.8 us at tp1 at the H200's 4.65 TB/s.
-
-Measured on the H200 (2026-12-04, twelfth session, CUPTI, weights rotated; benchmarks/RESULTS.md):
-at tp1 the gate/up takes 41.6-42.2 us at B <= 8 (4.18-4.24 TB/s; XLA's row sum of the same weight
-reads it at 4.51) and 44.4 at B=64; the down 21.3-21.6 us (4.07-4.13 TB/s) and 22.9. Both kernels
-take 62.8-69.3 us per call at B = 1-64 against XLA's 67.7-86.5. At tp8 the split gate/up (8 ways)
-takes 8.0-9.6 us at B = 4-64 with its epilogue fusion (thirteenth session, run 10), where the Triton
-schedules took 9.9-15.5; there the Triton down (4.9-6.0 us) beat this one (5.4-6.8). The best rings
-hold 4-6 stages of 128-256 columns. 128-row CTAs (half the CTAs, half the re-reads of ``x``) were
-slower at every batch at tp1, and two steps of wgmmas behind the loads instead of one no faster
-(``WGMMA_STEPS_IN_FLIGHT``).
+Cost per call (bf16 = 2 bytes; ``Bp`` the padded batch; ``s1``, ``s2`` the kernels' split_k):
+  bytes = 2 * 3 S_r H                  both weights, read once: 264.2 MB at tp1, 33.0 MB at tp8
+        + 4 Bp S_r H / block_rows      x and hidden re-read from L2 by every CTA (not HBM)
+        + 2 B S_r + 2 B H              hidden and shared written
+        + 8 Bp (2 S_r s1 + H s2)       partials written and read back by XLA, where used
+  FLOPs = 6 Bp S_r H                   on the tensor cores (Bp >= 8; 64 with batch_m)
+Floor: the weight read, 56.8 us at tp1 at the H200's 4.65 TB/s.
 """
 
 from __future__ import annotations
@@ -94,8 +39,8 @@ from moe_front_jax import reference
 from moe_front_jax.pallas.gemm.schedule import TMA_MAX_BATCH, GemmConfig
 
 
-def padded_batch(batch: int) -> int:
-    """wgmma's N: the batch rounded up to a multiple of 8."""
+def tma_batch_rows(batch: int) -> int:
+    """The batch rows the TMA copies and wgmma's N: ``batch`` rounded up to a multiple of 8."""
     return -(-batch // 8) * 8
 
 
@@ -113,13 +58,10 @@ ahead."""
 
 LAUNCH_WITH_PDL = True
 """Each kernel starts with ``griddepcontrol_wait``, before it reads anything: Mosaic GPU then
-launches it with programmatic dependent launch, so that its CTAs are set up while the kernel before
-it finishes, and the wait holds them until that kernel's writes are visible. XLA launches its own
-kernels so. On an H100 (``benchmarks/pdl_probe.py``, twentieth session) the down started 1.2-2.5
-us after the gate/up ended without it and 0.1-0.8 us before with it; a tp1 call's span, first
-kernel start to last kernel end, went from 89.7-90.2 to 88.4 us at B=1 and from 95.5-96.8 to
-94.1-94.2 at B=64, with the kernels' summed CUPTI time level (within 0.3 us). Not yet measured on
-an H200."""
+launches it with programmatic dependent launch, as XLA launches its own kernels, so that its CTAs
+are set up while the kernel before it finishes and the wait holds them until that kernel's writes
+are visible. The tp1 span, first kernel start to last kernel end, is 1.7-2.7 us shorter on the
+H100 and 1.1-1.3 us on the H200 (docs/findings.md)."""
 
 
 def _await_inputs(interpret: bool) -> None:
@@ -225,7 +167,7 @@ def _partials(x, w, parts: int, config: GemmConfig, interpret: bool, name: str):
     bp]`` partials (``[split_k, parts, bp, rows / parts]`` with ``batch_m``) and runs the epilogue
     (one small fusion)."""
     rows = config.block_rows
-    bp, tiles = padded_batch(x.shape[0]), w.shape[0] // parts // rows
+    bp, tiles = tma_batch_rows(x.shape[0]), w.shape[0] // parts // rows
 
     def kernel(x_gmem, w_gmem, out_gmem):
         _await_inputs(interpret)
@@ -267,7 +209,7 @@ def _tma_rows(x: jax.Array) -> jax.Array:
     batch = x.shape[0]
     if batch <= 8 or batch % 8 == 0:
         return x
-    return jnp.pad(x, ((0, padded_batch(batch) - batch), (0, 0)))
+    return jnp.pad(x, ((0, tma_batch_rows(batch) - batch), (0, 0)))
 
 
 def _interpret_params(interpret: bool):
@@ -279,7 +221,7 @@ def _split_hidden(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: 
     """Kernel 1 with K split, on ``_tma_rows(x)``: ``hidden`` in the layout its partials lie in,
     ``hidden.T`` ``[S_r, Bp]`` (the batch minor; ``[Bp, S_r]`` with ``batch_m``), so that XLA's
     sum over the splits, rounding and situ are one fusion (a transpose makes it two, 1.0-1.4 us
-    more at tp8: thirteenth session). Rows or columns past B are ``situ(0, 0) = 0``."""
+    more at tp8, docs/findings.md). Rows or columns past B are ``situ(0, 0) = 0``."""
     y = _partials(x, gate_up, 2, config, interpret, "shared_gate_up_tma_partials").sum(0)
     gate, up = (reference.round_to_bfloat16(y[p]) for p in range(2))
     return reference.situ(gate, up, beta, linear_beta)
@@ -295,7 +237,7 @@ def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool)
     """Kernel 1 on ``_tma_rows(x)``: its rows of ``hidden``."""
     s_r = gate_up.shape[0] // 2
     rows = config.block_rows
-    batch, bp, tiles = x.shape[0], padded_batch(x.shape[0]), s_r // rows
+    batch, bp, tiles = x.shape[0], tma_batch_rows(x.shape[0]), s_r // rows
     if config.split_k > 1:
         hidden = _split_hidden(x, gate_up, beta, linear_beta, config, interpret)
         return hidden[:batch] if config.batch_m else hidden[:, :batch].T
@@ -320,7 +262,7 @@ def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool)
 
 def _down(hidden, down, out_dtype, config: GemmConfig, interpret: bool):
     """Kernel 2 on ``_tma_rows(hidden)``: its rows of the product."""
-    batch, rows, bp = hidden.shape[0], down.shape[0], padded_batch(hidden.shape[0])
+    batch, rows, bp = hidden.shape[0], down.shape[0], tma_batch_rows(hidden.shape[0])
     if config.split_k > 1 or jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16):
         y = _partials(hidden, down, 1, config, interpret, "shared_down_tma_partials").sum(0)[0]
         return (y[:batch] if config.batch_m else y[:, :batch].T).astype(out_dtype)
@@ -352,7 +294,7 @@ def gate_up_situ_t(x, gate_up, beta: float, linear_beta: float, *, config: GemmC
                    interpret: bool = False):
     """Kernel 1 with K split (``config.split_k > 1``), transposed: ``hidden.T`` ``[S_r, Bp]``
     bfloat16 (``Bp`` = B rounded up to 8; its columns past B zero), for a down kernel that reads
-    ``hidden`` so (``shared_expert.down_proj_t``); ``gate_up_situ`` is this, sliced and
+    ``hidden`` so (``triton.down_proj_t``); ``gate_up_situ`` is this, sliced and
     transposed."""
     _check(x, gate_up, gate_up.shape[0] // 2, config, "gate_up")
     if config.split_k == 1:

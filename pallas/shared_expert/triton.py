@@ -1,89 +1,28 @@
-"""The shared expert as two Pallas kernels: gate/up with situ in its epilogue, then down (SPEC 6).
+"""The shared expert as two Pallas Triton kernels (SPEC section 6): gate/up with situ in its
+epilogue, then down.
 
-``shared_expert(x, gate_up, down, cfg, out_dtype)`` computes, on one rank's slice (``S_r = S / tp``),
+    hidden = situ(bf16(x @ gate.T), bf16(x @ up.T))   [B, S_r] bfloat16               (kernel 1)
+    shared = hidden @ down.T                          [B, H] out_dtype, float32 sums  (kernel 2)
 
-    gate, up = bf16(x @ gate_up[:S_r].T), bf16(x @ gate_up[S_r:].T)   float32 accumulation
-    hidden   = situ(gate, up)                                          bf16 [B, S_r]   (kernel 1)
-    shared   = hidden @ down.T                                         float32 accumulation, [B, H]
-                                                                       out_dtype        (kernel 2)
+The float32 gate and up never leave kernel 1. Under tp the result is this rank's float32 partial,
+reduced by the caller. Each kernel runs its own schedule (``gemm.schedule``): the grid with split-K,
+stream-K or the vector schedule here, or the TMA schedule of ``tma`` (Mosaic GPU), which the tuned
+tables run at tp1 (H200 tp1 B=1-64: 62.8-69.0 us a call against XLA's 67.7-86.5, docs/findings.md).
 
-The float32 gate and up never leave the first kernel: its epilogue rounds them to bfloat16, applies
-``reference.situ`` (the same float32 arithmetic) and writes only ``hidden``, ``2 * B * S_r`` bytes.
-Under tp the result is this rank's partial sum (``out_dtype=float32``), reduced by the caller
-(``parallel.reduce_shared``).
+Both GEMMs are bound by reading their weight once. Situ needs gate row j and up row j in one
+program, so a gate/up program streams two row blocks ``S_r`` apart (two slabs, as cheap as one of
+twice the height) and the weight keeps its checkpoint layout. A tp8 rank's 768 gate rows are too few
+tiles for 132 SMs, so K is split. Where a TMA gate/up splits K, ``hidden`` stays as its partials
+lie, ``[S_r, Bp]``, for ``down_proj_t``: one XLA fusion between the kernels instead of two. Both
+GEMMs in one launch was slower at every shape, in Triton and Mosaic GPU (docs/findings.md).
 
-Schedule. Both GEMMs are bound by reading their weight, so each is ``streaming``'s schedule: every
-program streams one slab of the weight, ``block_rows`` rows by a ``K / split_k`` chunk of K, in
-``block_k`` steps that Triton's software pipeliner keeps ``num_stages`` deep, and when K is split the
-tile's last program to arrive sums the float32 partials in a fixed order and runs the epilogue
-(``gemm.triton.finish_split_k``). Situ needs gate row ``j`` and up row ``j`` in the same program: each
-gate/up program loads TWO row blocks per K step, ``gate_up[r : r + block_rows]`` and
-``gate_up[S_r + r : S_r + r + block_rows]``, into two accumulators (two contiguous slabs, as cheap to
-stream as one of twice the height), so the weight keeps its checkpoint layout (gate rows, then up
-rows; ``params.rank_slices``) and nothing is repacked. A gate/up tile is ``2 * block_rows`` weight
-rows. At tp1 the tiles alone fill the GPU (6144 / 32 = 192 tiles); at tp8 a rank has 768 gate and
-768 up rows, 48 tiles of 16, too few for 132 SMs, so K (7168) is split, e.g. 4 ways: 192 programs of
-32 rows x 1792. The down GEMM has ``N = H = 7168`` rows and ``K = S_r`` (6144 at tp1, only 768 at
-tp8): its row tiles alone give 224 programs of 32 rows, so it rarely needs a split. Two launches per
-call (plus, when a kernel splits K or runs stream-K, XLA's zeroing of its int32 counters), as XLA's
-own fusion needs.
-
-Stream-K (``GemmConfig(programs=P)``, ``gemm.triton.stream_k``): the ``tiles x K steps`` iterations
-cut into ``P`` equal runs, one per program, each tile finished by its last contributor, as the
-front GEMM's. At tp1 B=64 the table's grid (96 gate/up tiles of 64 + 64 rows, K split in two) gave
-192 programs of 196 KiB of pipeline buffers each, one per SM: 1.45 waves, the last 45% full, and
-the weight read at 3.1 TB/s (Nsight Compute, benchmarks/RESULTS.md, tenth session); ``P`` programs,
-one per SM, end together: 132 programs of 64 + 64 rows took that gate/up from 58.2 to 54.1 us. At
-tp1 B=16 and 32, at tp8, and for the down kernel, the grid (or the heuristic) stayed faster.
-
-Vector schedule (``GemmConfig(vector=True)``, ``B <= 8``; ``gemm.triton.vector_stream``): either kernel
-as one program per ``block_rows`` rows (1 to 16; gate/up: as many gate and up rows) over all of K,
-multiply-adds on the CUDA cores, no split, no counters; the same epilogues. At tp8 a gate/up program
-of one gate and one up row gives 768 programs without splitting K.
-
-TMA schedule (``GemmConfig(64, block_k, split_k, 4, stages, tma=True)``, ``B <= 64``;
-``shared_expert_tma``): either kernel in Mosaic GPU, one warpgroup per 64 weight rows over a
-``K / split_k`` chunk, the weight streamed through a ring of TMA stages into wgmma; where K is split
-or the output is float32, XLA sums the kernel's float32 partials and runs the epilogue. A gate/up
-that splits K (without ``batch_m``) leaves ``hidden`` transposed, ``[S_r, Bp]``, as its partials
-lie, and a grid or stream-K down reads it so (``down_proj_t``, ``Geometry.x_t``): one XLA fusion between the two
-kernels instead of a reduction and a transpose. With ``batch_m=True`` the batch is wgmma's M and
-the CTA's weight rows its N, any multiple of 8: tp1's 6144 gate rows in 128 CTAs of 48 and 7168
-down rows in 128 of 56, where 64-row CTAs leave 36 and 20 of the 132 SMs idle; the H100 runs it at
-tp1 B=64 (92.3-95.0 us per call against 95.0-98.1 for 64-row CTAs, three runs), while on the H200
-it tied at B=64 and lost below (eighteenth session), so the H200's table keeps 64-row CTAs.
-
-Backend: Pallas' Triton lowering (deprecated in jax 0.11 but working) for the grid, stream-K and
-vector schedules, for the reasons of ``front_gemm``: a pipelined K loop, small-M tensor-core dots,
-masks and global atomics are what Triton does well; tanh lowers to libdevice and the sigmoid to
-``1 / (1 + exp(-g))``. Mosaic GPU for the TMA schedule, where a whole-K row tile needs no split-K
-handshake and the copy engine keeps more of the weight in flight than Triton's loads do.
-
-Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the two kernels' split_k, their partials 0 when 1):
-  bytes  = 2 * 2 * S_r * H            gate_up read: 176 MB at tp1, 22 MB at tp8 for K3
-         + 2 * H * S_r                down read: 88 MB at tp1, 11 MB at tp8
-                                      (the weights: 264.2 MB at tp1, 33.0 MB at tp8: the bound)
-         + 2 * B * H                  x (read from L2 by every tile)
-         + 2 * 2 * B * S_r            hidden written, then read by every down tile from L2
-         + B * H * size(out_dtype)    shared written
-         + 8 * B * 2 * S_r * s1 + 8 * B * H * s2   partial tiles written and read back
-                                      (stream-K: 8 * B_tile * block_rows * parts per tile segment)
-  FLOPs  = 2 * B * 3 * S_r * H        (+ about 20 FLOPs and 3 transcendentals per hidden element)
-so the arithmetic intensity is about B FLOP/byte: memory-bound for decode batches; the floor on an
-H200 is the weight bytes over the HBM read bandwidth (56.8 us at tp1, 7.1 us at tp8 at 4.65 TB/s).
-
-Measured on the H200 (2026-12-04, thirteenth session's run 11, tuned table, CUPTI, weights rotated;
-benchmarks/RESULTS.md): tp1 B=1/8/16/64 64.7/63.9/65.7/68.8 us (4.09/4.14/4.02/3.84 TB/s) on the
-TMA schedule against XLA's 72.9/72.6/72.4/86.6 (the Triton schedules' best took 68.0/69.1/69.4/83.8
-in the eleventh session); tp8 B=1/8/16/64 12.6/13.5/13.7/16.0 us against 14.6/14.8/16.2/21.1 (the
-twelfth session's, with ``hidden`` transposed to ``[B, S_r]`` between the kernels: 12.4/14.5/14.9/
-17.9). The table runs the TMA schedule for both kernels at tp1 (B = 1-64), the vector gate/up at tp8
-B=1-2, the TMA gate/up (K split 8 ways) at tp8 B=4-64 and the tensor-core down at tp8. ``"auto"``
-runs these kernels where they measured faster in every run (``auto_prefers_kernel``): at tp1 and tp8
-for every B <= 64. Both GEMMs in one launch was slower at every shape measured: in Triton with a
-ticket per program's work (the fifth and eleventh sessions), and in Mosaic GPU with the down rows
-resident in shared memory and semaphore handshakes (thirteenth session, branch ``fused-tma``:
-15.5-18.8 us at tp8, its handshakes' chain of global round trips about 6 us): the two kernels stay.
+Cost per call (bf16 = 2 bytes; ``s1``, ``s2`` the kernels' split_k):
+  bytes = 2 * 3 S_r H                   both weights: 264.2 MB at tp1, 33.0 MB at tp8 for K3
+        + 2 B H + 4 B S_r               x read, hidden written and read back
+        + B H size(out_dtype)           shared written
+        + 8 B (2 S_r s1 + H s2)         partials written and read back, when K is split
+  FLOPs = 6 B S_r H                     (+ about 20 FLOPs and 3 transcendentals per hidden element)
+Floor on an H200 (4.65 TB/s): 56.8 us at tp1, 7.1 us at tp8.
 """
 
 from __future__ import annotations
@@ -99,27 +38,16 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_front_jax import reference
 from moe_front_jax.config import FrontConfig
-from moe_front_jax.pallas.shared_expert import tma as shared_expert_tma
-from moe_front_jax.pallas.device import core_count, measured_faster, table_kinds, tuning_entries
-from moe_front_jax.pallas.gemm.schedule import (
-    MAX_BATCH,
+from moe_front_jax.pallas.device import tuning_entries
+from moe_front_jax.pallas.gemm import schedule
+from moe_front_jax.pallas.gemm import triton as gemm_triton
+from moe_front_jax.pallas.gemm.schedule import (  # SMEM_BUDGET: the heuristic's, re-exported
     MIN_DOT,
-    VECTOR_MAX_BATCH,
+    SMEM_BUDGET,
     GemmConfig,
     padded_batch,
-    split_for_cores,
 )
-from moe_front_jax.pallas.gemm.triton import (
-    StreamK,
-    finish_split_k,
-    masked_load,
-    split_k_workspace,
-    stream_k,
-    vector_stream,
-)
-
-SMEM_BUDGET = 160 * 1024
-"""The heuristic's pipeline buffers per program stay under this."""
+from moe_front_jax.pallas.shared_expert import tma as shared_expert_tma
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +76,7 @@ class SharedExpertConfig:
 
 def table_key(shared_per_rank: int, hidden: int, batch: int) -> str:
     """Key of a tuning-table entry: the rank's slice and the batch rounded up to a power of two."""
-    return f"shared={shared_per_rank},hidden={hidden},batch={1 << (batch - 1).bit_length()}"
+    return f"shared={shared_per_rank},hidden={hidden},batch={schedule.batch_key(batch)}"
 
 
 def load_table(kind: str) -> dict[str, SharedExpertConfig]:
@@ -157,61 +85,35 @@ def load_table(kind: str) -> dict[str, SharedExpertConfig]:
             for key, entry in tuning_entries(kind, "shared_expert").items()}
 
 
-def _block_k(k: int, bp: int) -> int:
-    return next((b for b in ((64, 32, 16) if bp >= 128 else (128, 64, 32, 16)) if k % b == 0), MIN_DOT)
-
-
-def _schedule(tiles: int, k: int, block_rows: int, parts: int, bp: int, cores: int) -> GemmConfig:
-    block_k = _block_k(k, bp)
-    steps = k // block_k
-    split_k = split_for_cores(tiles, steps, cores)
-    num_warps = 8 if parts * block_rows * bp >= 128 * 128 else 4
-    depth = SMEM_BUDGET // (2 * block_k * (parts * block_rows + bp))
-    num_stages = max(2, min(5, depth, steps // split_k))
-    return GemmConfig(block_rows, block_k, split_k, num_warps, num_stages)
-
-
 def heuristic_config(shared_per_rank: int, hidden: int, batch: int, cores: int) -> SharedExpertConfig:
-    """Schedules for a device without a table.
-
-    Gate/up programs take 16 gate + 16 up rows up to a batch tile of 32, twice that above (each tile
-    re-reads ``x`` from L2); down programs 32 rows, 64 above a batch tile of 64. K is split, keeping at
-    least two K steps per program, until every one of ``cores`` SMs has a program; the pipeline is as
-    deep as 160 KiB of shared memory allows (up to 5).
-    """
+    """Schedules for a device without a table (``gemm.schedule.heuristic``): gate/up
+    programs take 16 gate + 16 up rows up to a batch tile of 32, twice that above (each tile re-reads
+    ``x`` from L2); down programs 32 rows, 64 above a batch tile of 64."""
     bp = padded_batch(batch)
     gate_rows = 16 if bp <= 32 else 32
     down_rows = 32 if bp <= 64 else 64
     return SharedExpertConfig(
-        _schedule(-(-shared_per_rank // gate_rows), hidden, gate_rows, 2, bp, cores),
-        _schedule(-(-hidden // down_rows), shared_per_rank, down_rows, 1, bp, cores),
+        schedule.heuristic(-(-shared_per_rank // gate_rows), hidden, gate_rows, batch, cores,
+                           parts=2),
+        schedule.heuristic(-(-hidden // down_rows), shared_per_rank, down_rows, batch, cores),
     )
 
 
 def pick_config(shared_per_rank: int, hidden: int, batch: int) -> SharedExpertConfig:
-    """The table's entry for this shape on the target device (its own table's, else the one it
-    borrows, ``device.TABLES_OF``), else ``heuristic_config``."""
-    tables = [load_table(kind) for kind in table_kinds()]
-    # The batch's own power of two (vector schedules are tuned per small batch), then the
-    # tensor-core batch tile it pads to; each in the device's own table, then the borrowed one.
-    for size in (batch, padded_batch(batch)):
-        for table in tables:
-            found = table.get(table_key(shared_per_rank, hidden, size))
-            if found is not None:
-                return found
-    return heuristic_config(shared_per_rank, hidden, batch, core_count())
+    """The target device's table entry for this shape (``gemm.schedule.lookup``), else
+    ``heuristic_config``."""
+    return schedule.lookup(load_table, lambda size: table_key(shared_per_rank, hidden, size), batch,
+                         lambda cores: heuristic_config(shared_per_rank, hidden, batch, cores))
 
 
 def auto_prefers_kernel(x, gate_up, down, cfg, out_dtype=jnp.bfloat16) -> bool:
     """``backend="auto"``'s choice for ``shared_expert(x, gate_up, down, cfg, out_dtype)``: True
     where the target device's auto table measured these kernels faster than
-    ``reference.shared_expert`` at these shapes (``device.measured_faster``; the batch takes its
-    power of two's entry). The table's runs are in the dtype ``moe_front`` asks for (bfloat16 at tp1,
-    the float32 partial under tp)."""
+    ``reference.shared_expert`` at these shapes (``gemm.schedule.auto_prefers``). The table's runs
+    are in the dtype ``moe_front`` asks for (bfloat16 at tp1, the float32 partial under tp)."""
     del gate_up, cfg, out_dtype
-    if getattr(x, "ndim", 0) != 2 or getattr(down, "ndim", 0) != 2 or x.shape[0] < 1:
-        return False  # the reference raises the error that names the argument
-    return measured_faster("shared_expert", table_key(down.shape[1], x.shape[1], x.shape[0]))
+    return schedule.auto_prefers("shared_expert", x, down,
+                        lambda: table_key(down.shape[1], x.shape[1], x.shape[0]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,11 +152,12 @@ def _stream(x_ref, w_ref, first_rows, g: Geometry, rows_mask, batch_mask, step_l
         if g.x_t:
             xs = plgpu.load(x_ref.at[pl.ds(k, bk), :])
         else:
-            xs = masked_load(x_ref.at[pl.ds(0, bp), pl.ds(k, bk)], batch_mask)
+            xs = gemm_triton.masked_load(x_ref.at[pl.ds(0, bp), pl.ds(k, bk)], batch_mask)
         out = []
         for acc, first in zip(accs, first_rows):
             # The weight is read once per call: first out of L2, so x and the partials stay.
-            w = masked_load(w_ref.at[pl.ds(first, bn), pl.ds(k, bk)], rows_mask, "evict_first")
+            w = gemm_triton.masked_load(w_ref.at[pl.ds(first, bn), pl.ds(k, bk)], rows_mask,
+                                        "evict_first")
             out.append(acc + lax.dot_general(
                 w, xs, (((1,), (x_axis,)), ((), ())), preferred_element_type=jnp.float32
             ))
@@ -306,7 +209,7 @@ def _kernel(x_ref, w_ref, *refs, geometry: Geometry, situ, out_dtype, interpret:
     steps = g.k_chunk // cfg.block_k
     accs = _stream(x_ref, w_ref, first_rows, g, rows_mask, batch_mask, pl.program_id(0) * steps,
                    steps)
-    finish_split_k(
+    gemm_triton.finish_split_k(
         accs, partials_ref, counters_ref, split_k=split_k, part=pl.program_id(0), tile=tile,
         mask=None if batch_mask is None else batch_mask.T, interpret=interpret,
         epilogue=lambda *ys: _store_tile(out_ref, ys, g, first_row, row_ok, batch_ok, situ,
@@ -319,7 +222,7 @@ def _stream_k_kernel(x_ref, w_ref, counters_in_ref, out_ref, partials_ref, count
     """One stream-K program of either GEMM (``gemm.triton.stream_k``), as ``_kernel``'s tiles."""
     del counters_in_ref  # aliased to counters_ref
     g = geometry
-    sk = StreamK(g.tiles, g.depth // g.config.block_k, g.config.programs)
+    sk = gemm_triton.StreamK.of(g.config, g.tiles, g.depth)
 
     def segment(tile, lo, hi):
         first_row, row_ok, batch_ok, first_rows, rows_mask, batch_mask = _tile(g, situ, tile)
@@ -328,7 +231,7 @@ def _stream_k_kernel(x_ref, w_ref, counters_in_ref, out_ref, partials_ref, count
                                              out_dtype)
 
     batch_ok = lax.broadcasted_iota(jnp.int32, (1, g.batch_tile), 1) < g.batch
-    stream_k(sk, partials_ref, counters_ref, segment,
+    gemm_triton.stream_k(sk, partials_ref, counters_ref, segment,
              mask=batch_ok if g.batch < g.batch_tile else None, interpret=interpret)
 
 
@@ -341,8 +244,9 @@ def _vector_kernel(x_ref, w_ref, out_ref, *, geometry: Geometry, situ, out_dtype
     row_ok = (first_row + lax.broadcasted_iota(jnp.int32, (bn,), 0)) < g.rows
     ragged = g.rows % bn != 0
     first_rows = (first_row, first_row + g.rows) if situ else (first_row,)
-    parts = vector_stream(x_ref, w_ref, first_rows, batch=g.batch, depth=g.depth, config=g.config,
-                          rows_masks=[row_ok[:, None]] * len(first_rows) if ragged else None)
+    parts = gemm_triton.vector_stream(
+        x_ref, w_ref, first_rows, batch=g.batch, depth=g.depth, config=g.config,
+        rows_masks=[row_ok[:, None]] * len(first_rows) if ragged else None)
     for b in range(g.batch):  # each part's [block_rows] float32 sums of batch row b
         if situ:
             gate, up = (part[b].astype(jnp.bfloat16) for part in parts)
@@ -368,54 +272,19 @@ def _gemm(x, w, rows, out_dtype, config, situ, interpret, name, batch_t=None):
     g = Geometry(batch, depth, rows, config, x_t)
     if x_t and x.shape[1] != g.batch_tile:
         raise ValueError(f"hidden.T must have the batch tile's {g.batch_tile} columns, got {x.shape}")
-    if config.vector:
-        if batch > VECTOR_MAX_BATCH:
-            raise ValueError(f"the vector schedule {config} covers B <= {VECTOR_MAX_BATCH}, got "
-                             f"B={batch}")
-        return pl.pallas_call(
-            functools.partial(
-                _vector_kernel, geometry=g, situ=situ, out_dtype=out_dtype, interpret=interpret
-            ),
-            out_shape=jax.ShapeDtypeStruct((batch, rows), out_dtype),
-            grid=(g.tiles,),
-            interpret=interpret,
-            compiler_params=plgpu.CompilerParams(
-                num_warps=config.num_warps, num_stages=config.num_stages
-            ),
-            name=name,
-        )(x, w)
-    parts = 2 if situ else 1
-    if config.programs:
-        sk = StreamK(g.tiles, depth // config.block_k, config.programs)
-        workspace, counters = sk.workspace(parts, config.block_rows, g.batch_tile)
-        kernel, grid = _stream_k_kernel, (config.programs,)
-    else:
-        workspace, counters = split_k_workspace(config, g.tiles, parts, g.batch_tile)
-        kernel, grid = _kernel, (config.split_k, g.tiles)
-    out_shape = [jax.ShapeDtypeStruct((batch, rows), out_dtype)] + workspace
-    out = pl.pallas_call(
-        functools.partial(
-            kernel, geometry=g, situ=situ, out_dtype=out_dtype, interpret=interpret
-        ),
-        out_shape=out_shape,
-        grid=grid,
-        input_output_aliases={2: len(out_shape) - 1} if counters else {},
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=config.num_warps, num_stages=config.num_stages
-        ),
-        name=name,
-    )(x, w, *counters)
-    return out[0]
+    config.check_batch(batch)
+    kernel = _vector_kernel if config.vector else _stream_k_kernel if config.programs else _kernel
+    (out, *_) = gemm_triton.launch(
+        functools.partial(kernel, geometry=g, situ=situ, out_dtype=out_dtype, interpret=interpret),
+        x, w, config=config, tiles=g.tiles, depth=depth, parts=2 if situ else 1,
+        batch_tile=g.batch_tile, out_shape=[jax.ShapeDtypeStruct((batch, rows), out_dtype)],
+        interpret=interpret, name=name,
+    )
+    return out
 
 
 def _check(x, gate_up, down, cfg, out_dtype) -> None:
-    for name, array in (("x", x), ("gate_up", gate_up), ("down", down)):
-        shape = getattr(array, "shape", None)
-        if shape is None or len(shape) != 2 or array.dtype != jnp.bfloat16:
-            raise ValueError(
-                f"{name} must be a 2-D bfloat16 array, got {shape} {getattr(array, 'dtype', None)}"
-            )
+    schedule.check_matrices(x=x, gate_up=gate_up, down=down)
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
     (batch, hidden), (two_s, gu_hidden) = x.shape, gate_up.shape
@@ -431,11 +300,7 @@ def _check(x, gate_up, down, cfg, out_dtype) -> None:
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
     if batch == 0:
         raise ValueError(f"x is an empty batch (shape {x.shape}); B must be >= 1")
-    if batch > MAX_BATCH:
-        raise NotImplementedError(
-            f"shared_expert covers B <= {MAX_BATCH} rows per call, got B={batch}; split the batch, "
-            "or use backend='xla'"
-        )
+    schedule.check_batch_covered("shared_expert", batch)
     if hidden % MIN_DOT or (two_s // 2) % MIN_DOT:
         raise NotImplementedError(
             f"shared_expert needs H and S_r to be multiples of {MIN_DOT}, got H={hidden}, "
@@ -484,7 +349,7 @@ def down_proj_t(
 ) -> jax.Array:
     """Kernel 2 on ``hidden`` given transposed: ``hidden_t`` ``[S_r, Bp]`` bfloat16 (``Bp >= B``,
     columns past ``batch`` zero), as the TMA gate/up with K split leaves it
-    (``shared_expert_tma.gate_up_situ_t``, Bp = B rounded up to 8); ``[batch, H]`` in
+    (``tma.gate_up_situ_t``, Bp = B rounded up to 8); ``[batch, H]`` in
     ``out_dtype``. Grid and stream-K schedules only. ``hidden_t`` is padded with zero columns to
     the kernel's batch tile (a power of two >= 16; XLA fuses the pad into the op that produced
     it), so that the kernel's loads of it are whole rows of 32 bytes or more, unmasked."""
