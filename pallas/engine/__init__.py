@@ -1,0 +1,25 @@
+"""The streaming engine (issue 38): one Mosaic GPU launch streams a stack of weight row regions
+against ``x``, each with its own epilogue: the front GEMM, the merged front (front and the shared
+expert's gate/up) and the shared expert's down."""
+
+from moe_front_jax.pallas.engine.kernel import (
+    EngineConfig,
+    covers_down,
+    covers_front_gate_up,
+    covers_front_gemm,
+    down,
+    front_gate_up,
+    front_gemm,
+    heuristic_config,
+)
+
+__all__ = [
+    "EngineConfig",
+    "covers_down",
+    "covers_front_gate_up",
+    "covers_front_gemm",
+    "down",
+    "front_gate_up",
+    "front_gemm",
+    "heuristic_config",
+]

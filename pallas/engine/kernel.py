@@ -1,0 +1,611 @@
+"""The streaming engine: one Mosaic GPU launch streams a stack of weight row regions against ``x``.
+
+Every CTA owns ``rows`` consecutive rows of one region over all of K (no split): a ring of
+``num_stages`` TMA stages of ``block_k`` columns feeds wgmma with ``x``'s rows, zero-filled to 64,
+as M and the CTA's rows as N (tma.py's ``batch_m``). Each region has its own epilogue on the
+accumulator registers, TMA-stored through shared memory: router rows -> float32 logits (the chain
+folded every ``fold_k``); latent rows -> bfloat16 latent (and its MXFP8 plan); gate/up pairs (two
+accumulators) -> ``situ(bf16(gate), bf16(up))``; down rows -> bfloat16, or a float32 partial.
+The CTA -> region map is static; regions run biggest CTAs first; every kernel waits first thing
+(``griddepcontrol_wait``) to be launched with PDL.
+
+Cost per call (bf16 = 2 bytes; ``Bp`` = B rounded up to 8 where B > 8; ``shard = n - split``):
+  front     bytes = 2 (valid + shard) H            64.2 MB tp1, 8.0 MB tp8 (K3)
+                  + 2 B H + 4 B valid + 2 B shard  x read, logits and latent written
+                  + B shard (1 + 1/32)             the plan, when asked for
+  gate/up   bytes += 2 * 2 S_r H + 2 B S_r         176.2 MB tp1, 22.0 MB tp8; hidden written
+  down      bytes = 2 H S_r + 2 B S_r + B H (2|4)   88.1 MB tp1, 11.0 MB tp8
+  x (or hidden) is re-read from L2 by every CTA: 2 Bp K per CTA, not HBM traffic.
+  FLOPs = 2 * 64 * (weight rows) * K on the tensor cores (M is 64 whatever B; 2 B per weight
+  element useful): memory-bound at every B <= 64.
+Floor at the H200's 4.65 TB/s: front 13.8 us tp1, 1.73 us tp8; merged front (front + gate/up)
+51.7 us tp1, 6.5 us tp8; down 18.9 us tp1, 2.4 us tp8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from moe_front_jax import reference
+from moe_front_jax.config import FrontConfig
+from moe_front_jax.pallas.device import core_count
+
+MAX_BATCH = 64
+"""Largest batch: wgmma's M, ``x``'s rows as the TMA copy zero-fills them."""
+MAX_ROWS = 256
+"""Most weight rows per CTA (per part): wgmma's largest N."""
+MAX_PAIR_ROWS = 128
+"""Most gate (and as many up) rows per CTA: two ``[64, r]`` float32 accumulators take ``r``
+registers a thread."""
+ROW_STEP = 8
+"""CTA rows are a multiple of wgmma's N step."""
+FOLD_K = 2048
+"""The logits' accumulator is added into a float32 total every ``FOLD_K`` of K: one tensor-core
+chain over K3's 7168 left logits 1.8-2.4x the 1e-5 contract off (docs/findings.md, stream-K and the
+fold)."""
+SMEM_BUDGET = 200 * 1024
+"""The heuristic's ring stays under this (of the 227 KiB a Hopper CTA may have); the epilogue's
+buffers reuse it once the ring is drained."""
+WGMMA_STEPS_IN_FLIGHT = 1
+"""K steps whose wgmmas may still run when the next step's are issued (tma.py's)."""
+LAUNCH_WITH_PDL = True
+"""Each kernel starts with ``griddepcontrol_wait``, so Mosaic GPU launches it with PDL."""
+LOGITS, LATENT, GATE_UP, DOWN = "logits", "latent", "gate_up", "down"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Tiling of one engine launch.
+
+    Attributes:
+      router_rows, latent_rows, down_rows: weight rows per CTA of each region, a multiple of 8 up to
+        256 (the latent's a multiple of the plan block where the plan is written).
+      gate_up_rows: gate rows per CTA of the gate/up region (and as many up rows), a multiple of 8
+        up to 128.
+      block_k: K columns per TMA stage, a power of two from 32 to 512.
+      num_stages: TMA stages in the ring, at least 2.
+      fold_k: K columns per accumulation chain of the logits (a multiple of ``block_k``).
+    """
+
+    router_rows: int = 32
+    latent_rows: int = 32
+    gate_up_rows: int = 48
+    down_rows: int = 56
+    block_k: int = 128
+    num_stages: int = 4
+    fold_k: int = FOLD_K
+
+    def __post_init__(self):
+        name = type(self).__name__
+        for field, most in (("router_rows", MAX_ROWS), ("latent_rows", MAX_ROWS),
+                            ("down_rows", MAX_ROWS), ("gate_up_rows", MAX_PAIR_ROWS)):
+            value = getattr(self, field)
+            if type(value) is not int or value < ROW_STEP or value > most or value % ROW_STEP:
+                raise ValueError(f"{name}.{field} must be a multiple of {ROW_STEP} from {ROW_STEP} "
+                                 f"to {most}, got {value!r}")
+        k = self.block_k
+        if type(k) is not int or k < 32 or k > 512 or k & (k - 1):
+            raise ValueError(f"{name}.block_k must be a power of two from 32 to 512, got {k!r}")
+        if type(self.num_stages) is not int or self.num_stages < 2:
+            raise ValueError(f"{name}.num_stages must be an int >= 2, got {self.num_stages!r}")
+        if type(self.fold_k) is not int or self.fold_k < k or self.fold_k % k:
+            raise ValueError(f"{name}.fold_k must be a positive multiple of block_k={k}, got "
+                             f"{self.fold_k!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """Rows of one weight operand that one epilogue consumes.
+
+    Attributes:
+      kind: the epilogue (``LOGITS``, ``LATENT``, ``GATE_UP``, ``DOWN``).
+      operand: index of the weight among the launch's weight operands.
+      first_rows: the first row of each part (gate/up: the gate rows, then the up rows).
+      rows: rows of each part.
+      cta_rows: rows of each part per CTA; divides ``rows``.
+      outputs: indices of the launch's outputs the epilogue writes.
+    """
+
+    kind: str
+    operand: int
+    first_rows: tuple[int, ...]
+    rows: int
+    cta_rows: int
+    outputs: tuple[int, ...]
+
+    @property
+    def ctas(self) -> int:
+        return self.rows // self.cta_rows
+
+
+# --- tiling ------------------------------------------------------------------------------------------
+
+
+def row_choices(rows: int, most: int, multiple: int = ROW_STEP) -> tuple[int, ...]:
+    """CTA row counts that cut ``rows`` evenly: multiples of ``multiple`` (and of 8) up to ``most``."""
+    step = multiple * ROW_STEP // math.gcd(multiple, ROW_STEP)
+    return tuple(r for r in range(step, min(rows, most) + 1, step) if rows % r == 0)
+
+
+def makespan(ctas: list[tuple[int, float]], cores: int) -> float:
+    """The finish of the last SM when ``ctas`` (``(count, time)`` per region, in launch order) are
+    handed, one at a time, to whichever of ``cores`` SMs is free first."""
+    free = [0.0] * cores
+    for count, time in ctas:
+        for _ in range(count):
+            heapq.heapreplace(free, free[0] + time)
+    return max(free)
+
+
+SM_SHARE = 4.65e6 / 132
+"""One SM's share of the H200's read rate (4.65 TB/s), bytes per us."""
+LATENCY_US = 1.0
+"""Round trip of a TMA stage under load: a ring keeps at most ``in flight / LATENCY_US`` coming."""
+CTA_OVERHEAD_US = 1.0
+"""A CTA's fixed cost: its launch, the ring's first round trip, the epilogue's store."""
+X_COST = 0.25
+"""A byte of ``x`` re-read from L2 costs a CTA this many bytes of weight."""
+MAX_ACC_REGS = 128
+"""Float32 accumulator registers a thread may hold: ``[64, rows]`` takes ``rows / 2``."""
+
+
+def _cta_time(rows: int, parts: int, depth: int, x_rows: int, block_k: int, stages: int) -> float:
+    """One CTA's time, us: ``CTA_OVERHEAD_US`` plus its bytes at the slower of its SM's share and
+    what its ring keeps in flight (``stages - 1`` stages of weight per ``LATENCY_US``)."""
+    weight = 2 * parts * rows * depth
+    in_flight = 2 * (stages - 1) * block_k * parts * rows
+    rate = min(SM_SHARE, in_flight / LATENCY_US)
+    return CTA_OVERHEAD_US + (weight + X_COST * 2 * x_rows * depth) / rate
+
+
+def _stages(block_k: int, weight_rows: int, depth: int) -> int:
+    """Ring depth: as many stages as ``SMEM_BUDGET`` holds, 2 to 6, no more than K's steps."""
+    stage = 2 * block_k * (MAX_BATCH + weight_rows)
+    return max(2, min(6, SMEM_BUDGET // stage, depth // block_k))
+
+
+def _block_ks(depth: int) -> tuple[int, ...]:
+    wide = tuple(k for k in (128, 256, 512) if depth % k == 0)
+    return wide or tuple(k for k in (64, 32) if depth % k == 0)[:1]
+
+
+def cut(regions: tuple[tuple[int, int, int, int], ...], batch: int, depth: int,
+        cores: int) -> tuple[int, tuple[int, ...], int]:
+    """``(block_k, CTA rows per region, stages)`` for regions ``(rows, parts, multiple, chains)``:
+    the cut whose CTAs, longest first, end soonest on ``cores`` SMs (``makespan`` of
+    ``_cta_time``, each SM at its share of the read rate: a model of a full machine); among equals,
+    the one that keeps the most SMs busy, then the fewest CTAs. A CTA's accumulators (``parts`` or ``chains``
+    of them) stay within ``MAX_ACC_REGS``; its ring keeps 3 stages or more. Raises
+    NotImplementedError where a region cannot be cut."""
+    x_rows = tma_rows(batch)
+    options = []
+    for rows, parts, multiple, chains in regions:
+        most = min(MAX_ROWS, 2 * MAX_ACC_REGS // max(parts, chains))
+        choices = row_choices(rows, most, multiple)
+        if not choices:
+            raise NotImplementedError(
+                f"the engine cuts {rows} rows into CTAs of a multiple of {multiple} rows up to "
+                f"{most}: none divides {rows}; use another backend")
+        options.append(choices)
+    best = None
+    for block_k in _block_ks(depth):
+        for combo in itertools.product(*options):
+            widest = max(parts * r for (_, parts, _, _), r in zip(regions, combo))
+            stages = _stages(block_k, widest, depth)
+            if stages < min(3, depth // block_k):
+                continue
+            times = [(rows // r, _cta_time(r, parts, depth, x_rows, block_k, stages))
+                     for (rows, parts, _, _), r in zip(regions, combo)]
+            ctas = sum(count for count, _ in times)
+            span = round(makespan(sorted(times, key=lambda t: -t[1]), cores), 3)
+            score = (span, -min(ctas, cores), ctas, block_k)
+            if best is None or score < best[0]:
+                best = score, (block_k, combo, stages)
+    if best is None:
+        raise NotImplementedError(f"no CTA cut of these regions ({regions}) fits shared memory")
+    return best[1]
+
+
+@functools.cache
+def heuristic_config(batch: int, depth: int, router: int = 0, latent: int = 0, gate_up: int = 0,
+                     down: int = 0, plan_block: int = 0, cores: int = 132) -> EngineConfig:
+    """A tiling for a device without a table (``cut``): rows of each present region (0 rows: the
+    region is absent and keeps the default), ``block_k`` and the ring's depth; ``x`` ``[batch,
+    depth]``."""
+    chains = chains_for(depth, FOLD_K, max(_block_ks(depth), default=32))
+    present = [(name, rows, parts, multiple, c) for name, rows, parts, multiple, c in (
+        ("router_rows", router, 1, ROW_STEP, chains),
+        ("latent_rows", latent, 1, plan_block or ROW_STEP, 1),
+        ("gate_up_rows", gate_up, 2, ROW_STEP, 1),
+        ("down_rows", down, 1, ROW_STEP, 1)) if rows]
+    block_k, combo, stages = cut(tuple(p[1:] for p in present), batch, depth, cores)
+    fields = {name: r for (name, *_), r in zip(present, combo)}
+    return EngineConfig(**fields, block_k=block_k, num_stages=stages)
+
+
+# --- the kernel --------------------------------------------------------------------------------------
+
+
+def _interpret_params(interpret: bool):
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def _await_inputs(interpret: bool) -> None:
+    """The kernel's first step (``LAUNCH_WITH_PDL``); interpret mode has no rule for it."""
+    if LAUNCH_WITH_PDL and not interpret:
+        plgpu.griddepcontrol_wait()
+
+
+def _transforms(block_k: int) -> tuple:
+    """Shared-memory tiling and swizzle of a ``[rows, block_k]`` bfloat16 stage, as wgmma reads it."""
+    swizzle = plgpu.find_swizzle(block_k * 16)
+    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
+
+
+def tma_rows(batch: int) -> int:
+    """The rows of ``x`` the kernel takes: B where B <= 8 or a multiple of 8, else B rounded up to
+    8 (a tiled TMA copy moves up to 8 rows or a multiple of 8)."""
+    return batch if batch <= 8 or batch % 8 == 0 else -(-batch // 8) * 8
+
+
+def _pad_rows(x: jax.Array) -> jax.Array:
+    rows = tma_rows(x.shape[0])
+    return x if rows == x.shape[0] else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+
+
+def chains_for(depth: int, fold_k: int, block_k: int) -> int:
+    """Accumulators of a logits CTA: K's chain cut so that none is longer than ``fold_k``, as a
+    power of two (each K step's ``block_k`` columns are cut into that many slices)."""
+    chains = 1
+    while chains * fold_k < depth and chains * 16 < block_k:
+        chains *= 2
+    return chains
+
+
+def _stream(x_gmem, views, tile, rows: int, config: EngineConfig, chains: int = 1):
+    """The float32 ``[64, rows]`` accumulators of row tile ``tile`` of each of ``views`` (one per
+    part) against ``x`` over all of K. With ``chains > 1`` (one view) each K step is cut into
+    ``chains`` column slices, each accumulated apart and summed at the end, so that no tensor-core
+    chain is longer than ``K / chains`` (``FOLD_K``)."""
+    block_k = config.block_k
+    steps = x_gmem.shape[1] // block_k
+    sub = block_k // chains
+    transforms = _transforms(sub)
+    parts = len(views)
+
+    def scope(*accs):
+        def body(indices, *smem):
+            *w_smem, x_smem = smem
+            if chains == 1:
+                for acc, w in zip(accs, w_smem):
+                    plgpu.wgmma(acc, x_smem, w.T)
+            else:
+                (w,) = w_smem
+                for c, acc in enumerate(accs):
+                    cols = pl.ds(c * sub, sub)
+                    plgpu.wgmma(acc, x_smem.at[:, cols], w.at[:, cols].T)
+            # The wgmmas of steps before the last WGMMA_STEPS_IN_FLIGHT are done: their slots may
+            # be refilled.
+            plgpu.wgmma_wait(len(accs) * WGMMA_STEPS_IN_FLIGHT)
+
+        w_specs = [
+            plgpu.BlockSpec((rows, block_k), lambda k: (tile, k), transforms=transforms,
+                            delay_release=WGMMA_STEPS_IN_FLIGHT)
+            for _ in views
+        ]
+        x_spec = plgpu.BlockSpec((MAX_BATCH, block_k), lambda k: (0, k), transforms=transforms,
+                                 delay_release=WGMMA_STEPS_IN_FLIGHT)
+        plgpu.emit_pipeline(
+            body, grid=(steps,), in_specs=[*w_specs, x_spec],
+            max_concurrent_steps=config.num_stages,
+        )(*views, x_gmem)
+        if chains == 1:
+            return tuple(acc[...] for acc in accs)
+        total = accs[0][...]
+        for acc in accs[1:]:
+            total = total + acc[...]
+        return (total,)
+
+    count = chains if chains > 1 else parts
+    return pl.run_scoped(scope, *[plgpu.ACC((MAX_BATCH, rows), jnp.float32)] * count)
+
+
+def _store(tiles, dsts, bp: int) -> None:
+    """Each ``[64, n]`` tile's first ``bp`` rows through shared memory, TMA-stored into its
+    ``[bp, n]`` destination: every tile is written before any copy starts."""
+
+    def scope(*smems):
+        for smem, tile in zip(smems, tiles):
+            smem[...] = tile
+        plgpu.commit_smem()
+        for smem, dst in zip(smems, dsts):
+            plgpu.copy_smem_to_gmem(smem.at[pl.ds(0, bp)], dst)
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scope, *[plgpu.SMEM(tile.shape, tile.dtype) for tile in tiles])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Epilogue:
+    """What the epilogues need beyond the accumulators: situ's constants, the down's dtype."""
+
+    beta: float = 0.0
+    linear_beta: float = 0.0
+    out_dtype: object = jnp.bfloat16
+
+
+def _epilogue(region: Region, accs, outs, column, bp: int, ep: _Epilogue) -> None:
+    rows = region.cta_rows
+    cols = pl.ds(column, rows)
+    if region.kind == LOGITS:
+        tiles = [accs[0]]
+    elif region.kind == LATENT:
+        tiles = [accs[0].astype(jnp.bfloat16)]
+    elif region.kind == GATE_UP:
+        gate, up = (acc.astype(jnp.bfloat16) for acc in accs)
+        tiles = [reference.situ(gate, up, ep.beta, ep.linear_beta)]
+    else:
+        tiles = [accs[0].astype(ep.out_dtype)]
+    _store(tiles, [outs[region.outputs[0]].at[pl.ds(0, bp), cols]], bp)
+
+
+def _launch(x, weights, regions: tuple[Region, ...], out_types, config: EngineConfig,
+            ep: _Epilogue, interpret: bool, name: str):
+    """One kernel over ``regions`` (biggest CTAs first); returns the outputs, ``[tma_rows(B), ...]``."""
+    bp = x.shape[0]
+    chains = chains_for(x.shape[1], config.fold_k, config.block_k)
+    order = sorted(regions, key=lambda r: -len(r.first_rows) * r.cta_rows)
+    starts, total = [], 0
+    for region in order:
+        starts.append(total)
+        total += region.ctas
+
+    def kernel(x_gmem, *refs):
+        w_gmems, outs = refs[: len(weights)], refs[len(weights):]
+        _await_inputs(interpret)
+        cta = lax.axis_index("cta")
+        for region, start in zip(order, starts):
+            def run(region=region, start=start):
+                tile = cta - start
+                views = [w_gmems[region.operand].at[pl.ds(first, region.rows)]
+                         for first in region.first_rows]
+                accs = _stream(x_gmem, views, tile, region.cta_rows, config,
+                               chains if region.kind == LOGITS else 1)
+                _epilogue(region, accs, outs, tile * region.cta_rows, bp, ep)
+
+            if len(order) == 1:
+                run()
+            else:
+                pl.when((cta >= start) & (cta < start + region.ctas))(run)
+
+    return plgpu.kernel(
+        kernel, out_type=tuple(out_types), grid=(total,), grid_names=("cta",),
+        interpret=_interpret_params(interpret), kernel_name=name,
+    )(x, *weights)
+
+
+# --- checks ------------------------------------------------------------------------------------------
+
+
+def _check_matrix(name: str, array) -> None:
+    shape = getattr(array, "shape", None)
+    if shape is None or len(shape) != 2 or array.dtype != jnp.bfloat16:
+        raise ValueError(f"{name} must be a 2-D bfloat16 array, got {shape} "
+                         f"{getattr(array, 'dtype', None)}")
+
+
+def _check_x(x, name: str = "x") -> None:
+    _check_matrix(name, x)
+    if x.shape[0] == 0:
+        raise ValueError(f"{name} is an empty batch (shape {tuple(x.shape)}); B must be >= 1")
+    if x.shape[0] > MAX_BATCH:
+        raise NotImplementedError(
+            f"the engine covers B <= {MAX_BATCH} rows (wgmma's M), got B={x.shape[0]}; split the "
+            "batch, or use another backend")
+
+
+def _check_depth(depth: int, config: EngineConfig | None, name: str) -> None:
+    if config is None:
+        if not _block_ks(depth):
+            raise NotImplementedError(
+                f"the engine streams K in steps of 32 columns or more: {name}={depth} is not a "
+                "multiple of 32; use another backend")
+    elif depth % config.block_k:
+        raise ValueError(f"config {config} needs {name} divisible by block_k={config.block_k}, "
+                         f"got {name}={depth}")
+
+
+def _check_config(config) -> None:
+    if config is not None and not isinstance(config, EngineConfig):
+        raise ValueError(f"config must be an EngineConfig or None, got {type(config).__name__}")
+
+
+def _check_cut(what: str, rows: int, cta_rows: int) -> None:
+    if rows % cta_rows:
+        raise NotImplementedError(
+            f"the engine cuts the {what} rows into CTAs of {cta_rows} rows: {rows} rows are not a "
+            "multiple of it; pick another config, or use another backend")
+
+
+def _check_front(x, packed, split, valid) -> None:
+    _check_x(x)
+    _check_matrix("packed", packed)
+    if packed.shape[1] != x.shape[1]:
+        raise ValueError(f"packed must have x's width {x.shape[1]}, got {packed.shape[1]}")
+    for name, value in (("split", split), ("valid", valid)):
+        if type(value) is not int:
+            raise ValueError(f"{name} must be a static int, got {value!r}")
+    if not 0 < valid <= split < packed.shape[0]:
+        raise ValueError(f"need 0 < valid <= split < rows of packed, got valid={valid}, "
+                         f"split={split}, rows={packed.shape[0]}")
+
+
+def _check_gate_up(x, gate_up) -> None:
+    _check_matrix("gate_up", gate_up)
+    if gate_up.shape[1] != x.shape[1]:
+        raise ValueError(f"gate_up must have x's width {x.shape[1]}, got {gate_up.shape[1]}")
+    if gate_up.shape[0] == 0 or gate_up.shape[0] % 2:
+        raise ValueError(f"gate_up must hold 2 S_r rows (gate, then up), S_r >= 1, got "
+                         f"{gate_up.shape[0]} rows")
+
+
+def _front_config(x, packed, split, valid, gate_up_rows: int, plan_block: int,
+                  config: EngineConfig | None) -> EngineConfig:
+    shard = packed.shape[0] - split
+    depth = x.shape[1]
+    if config is None:
+        config = heuristic_config(x.shape[0], depth, router=valid, latent=shard,
+                                  gate_up=gate_up_rows, plan_block=plan_block, cores=core_count())
+    _check_depth(depth, config, "hidden")
+    _check_cut("router", valid, config.router_rows)
+    _check_cut("latent", shard, config.latent_rows)
+    if plan_block and config.latent_rows % plan_block:
+        raise NotImplementedError(
+            f"the plan's blocks of {plan_block} must not straddle CTAs: latent_rows="
+            f"{config.latent_rows} is not a multiple of {plan_block}; pick another config")
+    if gate_up_rows:
+        _check_cut("gate/up", gate_up_rows, config.gate_up_rows)
+    return config
+
+
+def covers_front_gemm(x, packed, split, valid, *, config=None) -> None:
+    """Raise ``NotImplementedError`` where ``front_gemm`` does not cover these arguments (B > 64,
+    a region's rows that no CTA cut divides), ``ValueError`` where they are wrong."""
+    _check_config(config)
+    _check_front(x, packed, split, valid)
+    _check_depth(x.shape[1], config, "hidden")
+    _front_config(x, packed, split, valid, 0, 0, config)
+
+
+def covers_front_gate_up(x, packed, split, valid, gate_up, cfg, *, plan=False, config=None) -> None:
+    """``covers_front_gemm`` for ``front_gate_up``: also the gate/up rows, and the plan's blocks
+    (latent CTAs a multiple of ``cfg.plan_block`` rows)."""
+    _check_config(config)
+    _check_front(x, packed, split, valid)
+    _check_gate_up(x, gate_up)
+    if not isinstance(cfg, FrontConfig):
+        raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
+    _check_depth(x.shape[1], config, "hidden")
+    if plan:
+        raise NotImplementedError("the engine has no MXFP8 plan epilogue yet: plan=False, then "
+                                  "the plan kernel")
+    _front_config(x, packed, split, valid, gate_up.shape[0] // 2,
+                  cfg.plan_block if plan else 0, config)
+
+
+def covers_down(hidden, down, out_dtype=jnp.bfloat16, *, config=None) -> None:
+    """Raise ``NotImplementedError`` where ``down`` does not cover these arguments, ``ValueError``
+    where they are wrong."""
+    _check_config(config)
+    _check_x(hidden, "hidden")
+    _check_matrix("down", down)
+    if down.shape[1] != hidden.shape[1]:
+        raise ValueError(f"down must have hidden's width {hidden.shape[1]}, got {down.shape[1]}")
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    _down_config(hidden, down, config)
+
+
+def _down_config(hidden, down, config):
+    depth = hidden.shape[1]
+    _check_depth(depth, config, "S_r")
+    if config is None:
+        config = heuristic_config(hidden.shape[0], depth, down=down.shape[0], cores=core_count())
+    _check_cut("down", down.shape[0], config.down_rows)
+    return config
+
+
+# --- entry points ------------------------------------------------------------------------------------
+
+
+def _front_regions(valid: int, split: int, shard: int, config: EngineConfig) -> list[Region]:
+    return [Region(LOGITS, 0, (0,), valid, config.router_rows, (0,)),
+            Region(LATENT, 0, (split,), shard, config.latent_rows, (1,))]
+
+
+def front_gemm(x, packed, split: int, valid: int, *, config: EngineConfig | None = None,
+               interpret: bool = False):
+    """Router logits and the latent shard from one pass over ``packed`` (SPEC section 3).
+
+    Args:
+      x: ``[B, H]`` bfloat16, ``1 <= B <= 64``.
+      packed: ``[split + shard, H]`` bfloat16: router rows ``[0, valid)``, zero rows up to
+        ``split`` (never read), latent rows ``[split, split + shard)``.
+      split, valid: static ints, ``0 < valid <= split``.
+      config: the tiling; None picks ``heuristic_config``.
+      interpret: run in Mosaic GPU's interpret mode (any machine).
+
+    Returns:
+      ``logits`` ``[B, valid]`` float32 and ``latent`` ``[B, shard]`` bfloat16, as
+      ``reference.front_gemm`` up to float32 summation order.
+    """
+    covers_front_gemm(x, packed, split, valid, config=config)
+    config = _front_config(x, packed, split, valid, 0, 0, config)
+    batch, shard = x.shape[0], packed.shape[0] - split
+    xp = _pad_rows(x)
+    bp = xp.shape[0]
+    logits, latent = _launch(
+        xp, (packed,), tuple(_front_regions(valid, split, shard, config)),
+        (jax.ShapeDtypeStruct((bp, valid), jnp.float32),
+         jax.ShapeDtypeStruct((bp, shard), jnp.bfloat16)),
+        config, _Epilogue(), interpret, "engine_front_gemm")
+    return logits[:batch], latent[:batch]
+
+
+def front_gate_up(x, packed, split: int, valid: int, gate_up, cfg: FrontConfig, *,
+                  plan: bool = False, config: EngineConfig | None = None,
+                  interpret: bool = False):
+    """The merged front: one launch over ``[router; latent; gate; up]``.
+
+    Args:
+      x, packed, split, valid: as ``front_gemm``.
+      gate_up: ``[2 S_r, H]`` bfloat16, this rank's gate rows then its up rows.
+      cfg: supplies ``situ_beta``, ``linear_beta`` and ``plan_block``.
+      plan: also write the latent's MXFP8 plan.
+
+    Returns:
+      ``(logits, latent, plan_or_None, hidden)``: ``front_gemm``'s two, the plan ``(values,
+      scales)`` or None, and ``hidden = situ(bf16(x @ gate.T), bf16(x @ up.T))`` ``[B, S_r]``
+      bfloat16.
+    """
+    covers_front_gate_up(x, packed, split, valid, gate_up, cfg, plan=plan, config=config)
+    s_r = gate_up.shape[0] // 2
+    config = _front_config(x, packed, split, valid, s_r, cfg.plan_block if plan else 0, config)
+    batch, shard = x.shape[0], packed.shape[0] - split
+    xp = _pad_rows(x)
+    bp = xp.shape[0]
+    regions = (*_front_regions(valid, split, shard, config),
+               Region(GATE_UP, 1, (0, s_r), s_r, config.gate_up_rows, (2,)))
+    outs = (jax.ShapeDtypeStruct((bp, valid), jnp.float32),
+            jax.ShapeDtypeStruct((bp, shard), jnp.bfloat16),
+            jax.ShapeDtypeStruct((bp, s_r), jnp.bfloat16))
+    logits, latent, hidden = _launch(
+        xp, (packed, gate_up), regions, outs, config,
+        _Epilogue(cfg.situ_beta, cfg.linear_beta), interpret, "engine_front_gate_up")
+    return logits[:batch], latent[:batch], None, hidden[:batch]
+
+
+def down(hidden, down, out_dtype=jnp.bfloat16, *, config: EngineConfig | None = None,
+         interpret: bool = False):
+    """``hidden @ down.T`` ``[B, H]`` in ``out_dtype`` (bfloat16, or a float32 partial sum under
+    tp) from ``hidden`` ``[B, S_r]`` and ``down`` ``[H, S_r]``, both bfloat16, float32
+    accumulation; ``B <= 64``."""
+    covers_down(hidden, down, out_dtype, config=config)
+    config = _down_config(hidden, down, config)
+    batch, rows = hidden.shape[0], down.shape[0]
+    hp = _pad_rows(hidden)
+    (out,) = _launch(
+        hp, (down,), (Region(DOWN, 0, (0,), rows, config.down_rows, (0,)),),
+        (jax.ShapeDtypeStruct((hp.shape[0], rows), out_dtype),), config,
+        _Epilogue(out_dtype=out_dtype), interpret, "engine_down")
+    return out[:batch]
