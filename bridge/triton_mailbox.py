@@ -175,27 +175,9 @@ def publish(
     Returns ``(buffer, control, status)``, ``status`` a zeroed int32 word for ``collect``. The
     arguments are checked by ``moe_front_jax.mailbox``.
     """
-    import jax_triton as jt
-
-    return jt.triton_call(
-        buffer,
-        control,
-        logits,
-        latent_shard,
-        kernel=mailbox_publish,
-        out_shape=(
-            jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
-            jax.ShapeDtypeStruct(control.shape, control.dtype),
-            jax.ShapeDtypeStruct((), jnp.int32),
-        ),
-        grid=grid(cfg, logits.shape[0]),
-        input_output_aliases={0: 0, 1: 1},
-        num_warps=NUM_WARPS,
-        name="mailbox_publish",
-        CAPACITY=buffer.shape[1],
-        GENERATIONS=buffer.shape[0],
-        **layout(cfg),
-    )
+    outs = (_like(buffer), _like(control), jax.ShapeDtypeStruct((), jnp.int32))
+    return _call(mailbox_publish, (buffer, control, logits, latent_shard), outs, {0: 0, 1: 1},
+                 logits.shape[0], cfg, GENERATIONS=buffer.shape[0])
 
 
 def collect(
@@ -210,27 +192,25 @@ def collect(
     ``spin_limit`` bounds the polls of each chunk block. The arguments are checked by
     ``moe_front_jax.mailbox``.
     """
+    outs = (_like(buffer), _like(control), jax.ShapeDtypeStruct((batch, cfg.latent), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch, cfg.experts), jnp.float32), _like(status))
+    buffer, control, latent, logits, status = _call(
+        mailbox_collect, (buffer, control, status), outs, {0: 0, 1: 1, 2: 4}, batch, cfg,
+        SPIN=spin_limit, TIMEOUT=mb.TIMEOUT)
+    return logits, latent, status, buffer, control
+
+
+def _like(array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(array.shape, array.dtype)
+
+
+def _call(kernel, inputs, outs, aliases, batch: int, cfg, **constants):
+    """``triton_call`` of ``kernel`` over ``grid(cfg, batch)``, the buffer (``inputs[0]``) and
+    control updated in place; jax_triton is imported here, on the GPU path only."""
     import jax_triton as jt
 
-    buffer, control, latent, logits, status = jt.triton_call(
-        buffer,
-        control,
-        status,
-        kernel=mailbox_collect,
-        out_shape=(
-            jax.ShapeDtypeStruct(buffer.shape, buffer.dtype),
-            jax.ShapeDtypeStruct(control.shape, control.dtype),
-            jax.ShapeDtypeStruct((batch, cfg.latent), jnp.bfloat16),
-            jax.ShapeDtypeStruct((batch, cfg.experts), jnp.float32),
-            jax.ShapeDtypeStruct((), jnp.int32),
-        ),
-        grid=grid(cfg, batch),
-        input_output_aliases={0: 0, 1: 1, 2: 4},
-        num_warps=NUM_WARPS,
-        name="mailbox_collect",
-        CAPACITY=buffer.shape[1],
-        SPIN=spin_limit,
-        TIMEOUT=mb.TIMEOUT,
-        **layout(cfg),
+    return jt.triton_call(
+        *inputs, kernel=kernel, out_shape=outs, grid=grid(cfg, batch),
+        input_output_aliases=aliases, num_warps=NUM_WARPS, name=kernel.__name__,
+        CAPACITY=inputs[0].shape[1], **layout(cfg), **constants,
     )
-    return logits, latent, status, buffer, control
