@@ -75,9 +75,10 @@ def front_interpret(x, w, *, split=SPLIT, valid=VALID, config=None):
     return ek.front_gemm(x, w, split, valid, config=config, interpret=True)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def gate_up_interpret(x, w, gate_up, *, config=None):
-    return ek.front_gate_up(x, w, SPLIT, VALID, gate_up, SMALL, config=config, interpret=True)
+@functools.partial(jax.jit, static_argnames=("plan", "config"))
+def gate_up_interpret(x, w, gate_up, *, plan=False, config=None):
+    return ek.front_gate_up(x, w, SPLIT, VALID, gate_up, SMALL, plan=plan, config=config,
+                            interpret=True)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
@@ -135,25 +136,54 @@ def test_interpret_front_gemm_random_data_within_contract():
 
 GATE_UP_CONFIGS = (
     None,
-    EngineConfig(router_rows=16, latent_rows=32, gate_up_rows=16, block_k=64, num_stages=3,
+    EngineConfig(router_rows=16, latent_rows=64, gate_up_rows=16, block_k=64, num_stages=3,
                  fold_k=128),
 )
 
 
+def plan_bytes(plan):
+    values, scales = plan
+    return np.asarray(values).view(np.uint8), np.asarray(scales).view(np.uint8)
+
+
+@pytest.mark.parametrize("plan", [False, True])
 @pytest.mark.parametrize("config", GATE_UP_CONFIGS)
 @pytest.mark.parametrize("batch", BATCHES)
-def test_interpret_front_gate_up_is_exact(batch, config):
-    """The merged front, one launch over [router; latent; gate; up]: logits and latent exact, and
-    ``hidden`` bit-equal to ``reference.situ`` of the bfloat16-rounded exact gate and up."""
+def test_interpret_front_gate_up_is_exact(batch, config, plan):
+    """The merged front, one launch over [router; latent; gate; up]: logits and latent exact,
+    ``hidden`` bit-equal to ``reference.situ`` of the bfloat16-rounded exact gate and up, and the
+    plan from the latent's epilogue bit-equal to ``reference.mxfp8_plan`` of the latent (blocks
+    of 32 over 2 or 4 scale columns a CTA; the latent spans 2**-12 to 2**12)."""
     x, w = exact_front(batch, seed=batch)
     gate_up = exact_gate_up(S_R, seed=batch + 1)
-    logits, latent, plan, hidden = gate_up_interpret(x, w, gate_up, config=config)
-    assert plan is None
+    logits, latent, planned, hidden = gate_up_interpret(x, w, gate_up, plan=plan, config=config)
     assert hidden.shape == (batch, S_R) and hidden.dtype == jnp.bfloat16
     assert_front_exact(logits, latent, product(x, w))
     want = situ_of(product(x, gate_up), S_R)
     np.testing.assert_array_equal(bits(hidden), bits(want))
     assert np.abs(np.asarray(hidden, np.float32)).max() > 1  # not a vacuous all-small output
+    if not plan:
+        assert planned is None
+        return
+    values, scales = planned
+    assert values.shape == (batch, SHARD) and values.dtype == jnp.float8_e4m3fn
+    assert scales.shape == (batch, SHARD // 32) and scales.dtype == jnp.float8_e8m0fnu
+    for got, ref in zip(plan_bytes(planned), plan_bytes(reference.mxfp8_plan(latent))):
+        np.testing.assert_array_equal(got, ref)
+    assert len(np.unique(plan_bytes(planned)[1])) > 1  # scales differ block to block
+
+
+def test_interpret_plan_of_non_finite_latent():
+    """Latent columns of infinity and NaN (an infinite weight row against x with zeros): the plan
+    still equals the reference's, whose scale byte is 254 for such blocks."""
+    x, w = exact_front(8, seed=7)
+    w = w.at[SPLIT + 3].set(jnp.inf).at[SPLIT + 70, :5].set(jnp.nan)
+    _, latent, planned, _ = gate_up_interpret(x, w, exact_gate_up(S_R), plan=True)
+    values, scales = plan_bytes(planned)
+    want_values, want_scales = plan_bytes(reference.mxfp8_plan(latent))
+    np.testing.assert_array_equal(scales, want_scales)
+    np.testing.assert_array_equal(values, want_values)
+    assert (want_scales[:, 0] == 254).all() and (want_scales[:, 2] == 254).all()
 
 
 DOWN_CONFIGS = (None, EngineConfig(down_rows=64, block_k=32, num_stages=2))
@@ -174,20 +204,24 @@ def test_interpret_down_is_exact(batch, out_dtype, config):
 
 
 def test_interpret_k3_tp8_front_gate_up():
-    """One rank at K3's tp8 shapes (560 front rows, 768 gate/up pairs, K = 7168) on the heuristic's
-    131 CTAs, B = 3: exact against float64."""
+    """One rank at K3's tp8 shapes (560 front rows, 768 gate/up pairs, K = 7168: the logits in 4
+    chains) on the heuristic's CTAs with the plan, B = 3: exact against float64, the plan the
+    reference's."""
     cfg = K3.with_tp(8)
     valid, shard, s_r = cfg.experts_per_rank, cfg.latent_per_rank, cfg.shared_per_rank
     split = padded_split(valid)
     x, w = exact_front(3, hidden=K3.hidden, valid=valid, split=split, shard=shard)
     gate_up = exact_gate_up(s_r, hidden=K3.hidden)
-    logits, latent, _, hidden = jax.jit(
-        lambda x, w, g: ek.front_gate_up(x, w, split, valid, g, cfg, interpret=True))(x, w, gate_up)
+    logits, latent, planned, hidden = jax.jit(
+        lambda x, w, g: ek.front_gate_up(x, w, split, valid, g, cfg, plan=True, interpret=True))(
+            x, w, gate_up)
     assert_front_exact(logits, latent, product(x, w), valid, split)
     want = reference.situ(*(jnp.asarray(h.astype(ml_dtypes.bfloat16)) for h in
                             np.split(product(x, gate_up), 2, axis=1)), cfg.situ_beta,
                           cfg.linear_beta)
     np.testing.assert_array_equal(bits(hidden), bits(want))
+    for got, ref in zip(plan_bytes(planned), plan_bytes(reference.mxfp8_plan(latent))):
+        np.testing.assert_array_equal(got, ref)
 
 
 # --- covers, configs and the heuristic ---------------------------------------------------------------
@@ -219,8 +253,11 @@ def test_covers_errors():
         ek.covers_front_gemm(x, w[4:], SPLIT - 4, VALID - 4)  # 60 router rows: no cut of 8
     with pytest.raises(NotImplementedError, match="multiple of 32"):
         ek.covers_front_gemm(x[:, :48], w[:, :48], SPLIT, VALID)
-    with pytest.raises(NotImplementedError, match="no MXFP8 plan epilogue"):
-        ek.covers_front_gate_up(x, w, SPLIT, VALID, gate_up, SMALL, plan=True)
+    with pytest.raises(NotImplementedError, match="latent_rows=16 is not a multiple of 32"):
+        ek.covers_front_gate_up(x, w, SPLIT, VALID, gate_up, SMALL, plan=True,
+                                config=EngineConfig(router_rows=16, latent_rows=16, gate_up_rows=16))
+    with pytest.raises(ValueError, match="latent shard's 120 rows must be a multiple of"):
+        ek.covers_front_gate_up(x, w[:-8], SPLIT, VALID, gate_up, SMALL, plan=True)
     with pytest.raises(ValueError, match="x is an empty batch"):
         ek.front_gemm(x[:0], w, SPLIT, VALID)
     with pytest.raises(ValueError, match="x must be a 2-D bfloat16 array"):
@@ -275,6 +312,9 @@ def test_heuristic_tiling_at_k3_shapes(tp):
     for batch in (1, 8, 37, 64):
         front = ek.heuristic_config(batch, K3.hidden, router=valid, latent=shard)
         merged = ek.heuristic_config(batch, K3.hidden, router=valid, latent=shard, gate_up=s_r)
+        planned = ek.heuristic_config(batch, K3.hidden, router=valid, latent=shard, gate_up=s_r,
+                                      plan_block=32)
+        assert planned.latent_rows % 32 == 0 and shard % planned.latent_rows == 0
         down = ek.heuristic_config(batch, s_r, down=K3.hidden)
         for config, regions in ((front, ((valid, "router_rows"), (shard, "latent_rows"))),
                                 (merged, ((valid, "router_rows"), (shard, "latent_rows"),
@@ -332,14 +372,16 @@ def assert_one_engine_kernel(text, batch):
 @pytest.mark.parametrize("tp", [1, 8])
 @pytest.mark.parametrize("batch", [1, 8, 37, 64])
 def test_lowers_for_h200(tp, batch):
-    """Each entry point at K3's shapes lowers for an H200 as one Mosaic GPU kernel launched with
-    PDL, with no XLA dot beside it."""
+    """Each entry point at K3's shapes (the merged front with the plan and without) lowers for an
+    H200 as one Mosaic GPU kernel launched with PDL, with no XLA dot beside it."""
     cfg, valid, split, x, packed, gate_up, hidden, down = k3_arrays(tp, batch)
     text = lower_for_h200(lambda x, w: ek.front_gemm(x, w, split, valid), x, packed)
     assert_one_engine_kernel(text, batch)
-    text = lower_for_h200(lambda x, w, g: ek.front_gate_up(x, w, split, valid, g, cfg),
-                          x, packed, gate_up)
-    assert_one_engine_kernel(text, batch)
+    for plan in (False, True):
+        text = lower_for_h200(
+            lambda x, w, g: ek.front_gate_up(x, w, split, valid, g, cfg, plan=plan),
+            x, packed, gate_up)
+        assert_one_engine_kernel(text, batch)
     for out_dtype in (jnp.bfloat16, jnp.float32):
         text = lower_for_h200(lambda h, d: ek.down(h, d, out_dtype), hidden, down)
         assert_one_engine_kernel(text, batch)
@@ -370,13 +412,16 @@ def close_to_float64(got, y, tol):
 @pytest.mark.parametrize("tp", [1, 8])
 def test_gpu_front_matches_float64(tp):
     """Logits within 1e-5 of the float64 product, the latent within one bfloat16 ulp, from the
-    front alone and from the merged front; on exact data both exact and ``hidden`` bit-equal to the
-    reference situ of the exact gate and up."""
+    front alone and from the merged front; the plan bit-equal to the reference's plan of the same
+    latent on the same device; ``hidden`` equal to situ of XLA's gate and up but where a rounding
+    moves; on exact data all exact and ``hidden`` bit-equal to the reference situ of the exact gate
+    and up."""
     cfg = K3.with_tp(tp)
     params = mf.pack_params(k3_weights(), cfg)
     valid, split = cfg.experts_per_rank, params.split
     front = jax.jit(lambda x, w: ek.front_gemm(x, w, split, valid))
     merged = jax.jit(lambda x, w, g: ek.front_gate_up(x, w, split, valid, g, cfg))
+    planned_front = jax.jit(lambda x, w, g: ek.front_gate_up(x, w, split, valid, g, cfg, plan=True))
     for batch in (1, 7, 37, 64):
         x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
         y = product(x, params.packed)
@@ -388,6 +433,10 @@ def test_gpu_front_matches_float64(tp):
             assert (err <= oracle.bf16_ulp(mag)).all(), (tp, batch)
         # hidden against situ of XLA's gate and up on the same device: equal but where a float32
         # summation order moves a bfloat16 rounding (rare), and there within 1e-2.
+        _, latent, planned, _ = planned_front(x, params.packed, params.gate_up)
+        want = jax.jit(reference.mxfp8_plan)(latent)  # the reference's plan on the same device
+        for got, ref in zip(plan_bytes(planned), plan_bytes(want)):
+            np.testing.assert_array_equal(got, ref)
         hidden = np.asarray(merged(x, params.packed, params.gate_up)[3], np.float32)
         h = jnp.dot(x, params.gate_up.T, preferred_element_type=jnp.float32)
         s_r = cfg.shared_per_rank
@@ -402,6 +451,9 @@ def test_gpu_front_matches_float64(tp):
         ge = exact_gate_up(cfg.shared_per_rank, hidden=K3.hidden, seed=tp)
         for logits, latent in (front(xe, we), merged(xe, we, ge)[:2]):
             assert_front_exact(logits, latent, product(xe, we), valid, split)
+        _, latent, planned, _ = planned_front(xe, we, ge)
+        for got, ref in zip(plan_bytes(planned), plan_bytes(reference.mxfp8_plan(latent))):
+            np.testing.assert_array_equal(got, ref)
         want = reference.situ(*(jnp.asarray(h.astype(ml_dtypes.bfloat16)) for h in
                                 np.split(product(xe, ge), 2, axis=1)), cfg.situ_beta,
                               cfg.linear_beta)

@@ -39,6 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from moe_front_jax import reference
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.pallas.device import core_count
+from moe_front_jax.pallas.plan.kernel import magnitude_bits, to_e4m3
 
 MAX_BATCH = 64
 """Largest batch: wgmma's M, ``x``'s rows as the TMA copy zero-fills them."""
@@ -320,19 +321,61 @@ def _stream(x_gmem, views, tile, rows: int, config: EngineConfig, chains: int = 
     return pl.run_scoped(scope, *[plgpu.ACC((MAX_BATCH, rows), jnp.float32)] * count)
 
 
-def _store(tiles, dsts, bp: int) -> None:
+def _small_layout(bp: int):
+    """A register layout for ``bp >= 2`` values, one a row (the plan's scale bytes of one block
+    column): 8 rows to a tile, each held by 16 threads, where ``bp`` is a multiple of 8; else every
+    row in every thread. Their stores repeat the same bytes."""
+    if bp % 8 == 0:
+        return plgpu.Layout.TILED(plgpu.Tiling(((8,), (1,))), warp_dims=(plgpu.Replicated(4),),
+                                  lane_dims=(-2, plgpu.Replicated(4)), vector_dim=-1)
+    return plgpu.Layout.TILED(plgpu.Tiling(((1,),)), warp_dims=(plgpu.Replicated(4),),
+                              lane_dims=(plgpu.Replicated(32),), vector_dim=-1)
+
+
+def _store(tiles, dsts, bp: int, columns=(), column_dsts=()) -> None:
     """Each ``[64, n]`` tile's first ``bp`` rows through shared memory, TMA-stored into its
-    ``[bp, n]`` destination: every tile is written before any copy starts."""
+    ``[bp, n]`` destination (every tile is written before any copy starts); and each ``[64]``
+    column's first ``bp`` values, through shared memory, stored by the threads into its ``[bp]``
+    destination (a TMA copy moves 16 bytes a row at least)."""
 
     def scope(*smems):
+        column_smem = smems[-1] if columns else None
         for smem, tile in zip(smems, tiles):
             smem[...] = tile
+        for j, column in enumerate(columns):
+            column_smem.at[j][...] = column
         plgpu.commit_smem()
         for smem, dst in zip(smems, dsts):
             plgpu.copy_smem_to_gmem(smem.at[pl.ds(0, bp)], dst)
+        for j, dst in enumerate(column_dsts):
+            if bp == 1:  # one value: a scalar load and store (no layout has a single element)
+                dst[0] = column_smem[j, 0]
+            else:
+                dst[...] = plgpu.load(column_smem.at[j, pl.ds(0, bp)], layout=_small_layout(bp))
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(scope, *[plgpu.SMEM(tile.shape, tile.dtype) for tile in tiles])
+    scratch = [plgpu.SMEM(tile.shape, tile.dtype) for tile in tiles]
+    if columns:
+        scratch.append(plgpu.SMEM((len(columns), MAX_BATCH), columns[0].dtype))
+    pl.run_scoped(scope, *scratch)
+
+
+def plan_tile(latent, block: int):
+    """The MXFP8 plan of a ``[64, rows]`` bfloat16 tile (in wgmma's accumulator layout), as
+    ``reference.mxfp8_plan``: ``values`` ``[64, rows]`` float8_e4m3fn and one ``[64]`` uint8 column
+    of E8M0 bytes per block. Each block's amax is a row max over its slice of the registers; its
+    exponent is spread back over its columns by selects (Mosaic GPU has no concatenate)."""
+    tile = latent.astype(jnp.float32)
+    column_block = plgpu.broadcasted_iota(jnp.int32, tile.shape, 1,
+                                          layout=plgpu.Layout.WGMMA) // block
+    exponents, spread = [], None
+    for j in range(tile.shape[1] // block):
+        amax = jnp.max(magnitude_bits(tile[:, j * block:(j + 1) * block]), axis=1)
+        exponent = reference.plan_scale_exponent(amax)
+        exponents.append(exponent.astype(jnp.uint8))
+        wide = jnp.broadcast_to(exponent[:, None], tile.shape)
+        spread = wide if spread is None else jnp.where(column_block == j, wide, spread)
+    return to_e4m3(tile, spread), exponents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,21 +385,31 @@ class _Epilogue:
     beta: float = 0.0
     linear_beta: float = 0.0
     out_dtype: object = jnp.bfloat16
+    plan_block: int = 0
 
 
 def _epilogue(region: Region, accs, outs, column, bp: int, ep: _Epilogue) -> None:
     rows = region.cta_rows
-    cols = pl.ds(column, rows)
+    dsts = [outs[i].at[pl.ds(0, bp), pl.ds(column, rows)] for i in region.outputs[:1]]
     if region.kind == LOGITS:
         tiles = [accs[0]]
     elif region.kind == LATENT:
-        tiles = [accs[0].astype(jnp.bfloat16)]
+        latent = accs[0].astype(jnp.bfloat16)
+        if ep.plan_block:
+            values, exponents = plan_tile(latent, ep.plan_block)
+            _, values_out, scales_out = (outs[i] for i in region.outputs)
+            first_block = column // ep.plan_block
+            _store([latent, values], [*dsts, values_out.at[pl.ds(0, bp), pl.ds(column, rows)]],
+                   bp, exponents,
+                   [scales_out.at[pl.ds(0, bp), first_block + j] for j in range(len(exponents))])
+            return
+        tiles = [latent]
     elif region.kind == GATE_UP:
         gate, up = (acc.astype(jnp.bfloat16) for acc in accs)
         tiles = [reference.situ(gate, up, ep.beta, ep.linear_beta)]
     else:
         tiles = [accs[0].astype(ep.out_dtype)]
-    _store(tiles, [outs[region.outputs[0]].at[pl.ds(0, bp), cols]], bp)
+    _store(tiles, dsts, bp)
 
 
 def _launch(x, weights, regions: tuple[Region, ...], out_types, config: EngineConfig,
@@ -496,11 +549,15 @@ def covers_front_gate_up(x, packed, split, valid, gate_up, cfg, *, plan=False, c
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
     _check_depth(x.shape[1], config, "hidden")
-    if plan:
-        raise NotImplementedError("the engine has no MXFP8 plan epilogue yet: plan=False, then "
-                                  "the plan kernel")
+    if plan and shard_of(packed, split) % cfg.plan_block:
+        raise ValueError(f"the latent shard's {shard_of(packed, split)} rows must be a multiple of "
+                         f"cfg.plan_block={cfg.plan_block}")
     _front_config(x, packed, split, valid, gate_up.shape[0] // 2,
                   cfg.plan_block if plan else 0, config)
+
+
+def shard_of(packed, split: int) -> int:
+    return packed.shape[0] - split
 
 
 def covers_down(hidden, down, out_dtype=jnp.bfloat16, *, config=None) -> None:
@@ -584,15 +641,25 @@ def front_gate_up(x, packed, split: int, valid: int, gate_up, cfg: FrontConfig, 
     batch, shard = x.shape[0], packed.shape[0] - split
     xp = _pad_rows(x)
     bp = xp.shape[0]
-    regions = (*_front_regions(valid, split, shard, config),
-               Region(GATE_UP, 1, (0, s_r), s_r, config.gate_up_rows, (2,)))
-    outs = (jax.ShapeDtypeStruct((bp, valid), jnp.float32),
-            jax.ShapeDtypeStruct((bp, shard), jnp.bfloat16),
-            jax.ShapeDtypeStruct((bp, s_r), jnp.bfloat16))
-    logits, latent, hidden = _launch(
-        xp, (packed, gate_up), regions, outs, config,
-        _Epilogue(cfg.situ_beta, cfg.linear_beta), interpret, "engine_front_gate_up")
-    return logits[:batch], latent[:batch], None, hidden[:batch]
+    block = cfg.plan_block if plan else 0
+    router, latent = _front_regions(valid, split, shard, config)
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    outs = [jax.ShapeDtypeStruct((bp, valid), f32), jax.ShapeDtypeStruct((bp, shard), bf16)]
+    if plan:
+        latent = dataclasses.replace(latent, outputs=(1, 2, 3))
+        outs += [jax.ShapeDtypeStruct((bp, shard), jnp.float8_e4m3fn),
+                 jax.ShapeDtypeStruct((bp, shard // block), jnp.uint8)]
+    regions = (router, latent, Region(GATE_UP, 1, (0, s_r), s_r, config.gate_up_rows,
+                                      (len(outs),)))
+    outs.append(jax.ShapeDtypeStruct((bp, s_r), bf16))
+    out = _launch(xp, (packed, gate_up), regions, outs, config,
+                  _Epilogue(cfg.situ_beta, cfg.linear_beta, plan_block=block), interpret,
+                  "engine_front_gate_up_plan" if plan else "engine_front_gate_up")
+    logits, latent_out, *planned, hidden = (a[:batch] for a in out)
+    if plan:
+        values, scales = planned
+        planned = (values, lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu))
+    return logits, latent_out, tuple(planned) if plan else None, hidden
 
 
 def down(hidden, down, out_dtype=jnp.bfloat16, *, config: EngineConfig | None = None,
