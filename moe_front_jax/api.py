@@ -21,6 +21,30 @@ _MAILBOX_TP = (
 )
 
 
+class Dispatch(NamedTuple):
+    """The dispatch order of SPEC section 4.1: what grouped GEMMs over the routed experts consume (a
+    pytree). Slot ``s = token * K + rank`` is token ``s // K``'s rank ``s % K``.
+
+    Attributes:
+      order: ``[B * K]`` int32 slots sorted by expert, by token within an expert (the stable sort by
+        expert of ``ids.ravel()``); row ``j`` of the permuted input is token ``order[j] // K``.
+      group_sizes: ``[E]`` int32 slots per expert (the histogram of ``ids``), summing to ``B * K``:
+        ``jax.lax.ragged_dot``'s ``group_sizes``.
+      inverse: ``[B * K]`` int32 position of each slot in ``order`` (``order[inverse] == arange``):
+        the combine step reads slot ``s``'s expert output at row ``inverse[s]``.
+
+    Example::
+
+      rows = latent[dispatch.order // K]                          # [B * K, L], grouped by expert
+      h = jax.lax.ragged_dot(rows, w, dispatch.group_sizes)       # w: [E, L, N]
+      per_slot = h[dispatch.inverse].reshape(B, K, N)             # back to (token, rank)
+    """
+
+    order: jax.Array
+    group_sizes: jax.Array
+    inverse: jax.Array
+
+
 class FrontOutput(NamedTuple):
     """What one call of ``moe_front`` returns (a pytree).
 
@@ -36,6 +60,9 @@ class FrontOutput(NamedTuple):
       plan: ``(values float8_e4m3fn [B, L], scales float8_e8m0fnu [B, L / 32])`` with ``plan=True``,
         else None.
       status: int32 scalar: 0, or a mailbox timeout code.
+      dispatch: ``Dispatch`` (order, group sizes and inverse of SPEC section 4.1) with
+        ``permute=True``, else None. Through ``shard_params``' params over a mesh with data-parallel
+        axes, each group's dispatch over its own rows, concatenated (``sharded_front``).
     """
 
     ids: jax.Array
@@ -45,6 +72,7 @@ class FrontOutput(NamedTuple):
     shared: jax.Array | None
     plan: tuple[jax.Array, jax.Array] | None
     status: jax.Array
+    dispatch: Dispatch | None = None
 
 
 def check_batch(name: str, array, width_name: str, width: int, dtype) -> None:
@@ -67,6 +95,28 @@ def check_rows(x, cfg: FrontConfig) -> None:
     check_batch("x", x, "hidden", cfg.hidden, jnp.bfloat16)
 
 
+def check_static_bool(name: str, value, function: str) -> bool:
+    """``value`` must be a Python (or numpy) bool, not traced: it chooses what is traced."""
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(
+            f"{name} is traced: under jax.jit pass it as a static argument, "
+            f"jax.jit({function}, static_argnames=('{name}',))"
+        )
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def as_dispatch(fields) -> Dispatch | None:
+    """``Dispatch`` of the stages' ``(order, group_sizes, inverse)``, or None."""
+    return None if fields is None else Dispatch(*fields)
+
+
+def _front_output(fields) -> FrontOutput:
+    *rest, dispatched = fields
+    return FrontOutput(*rest, as_dispatch(dispatched))
+
+
 def check_params(params) -> None:
     """``params`` must be ``FrontParams`` whose arrays match its config (checked at trace time)."""
     if not isinstance(params, FrontParams):
@@ -81,6 +131,7 @@ def moe_front(
     params: FrontParams,
     *,
     plan: bool = False,
+    permute: bool = False,
     backend: str = "auto",
     axis_name: str | None = None,
     shared_reduce: str = "psum",
@@ -88,15 +139,17 @@ def moe_front(
 ) -> FrontOutput | tuple[FrontOutput, mailboxes.Mailbox]:
     """The MoE front of one decode step: front GEMM, exact top-k routing, latent, shared expert.
 
-    ``plan``, ``backend``, ``axis_name`` and ``shared_reduce`` choose what is traced: under
-    ``jax.jit`` they are static (``jax.jit(moe_front, static_argnames=("plan", "backend",
-    "axis_name", "shared_reduce"))``, or ``functools.partial`` them in).
+    ``plan``, ``permute``, ``backend``, ``axis_name`` and ``shared_reduce`` choose what is traced:
+    under ``jax.jit`` they are static (``jax.jit(moe_front, static_argnames=("plan", "permute",
+    "backend", "axis_name", "shared_reduce"))``, or ``functools.partial`` them in).
 
     Args:
       x: ``[B, H]`` bfloat16 decode rows, ``B >= 1``.
       params: ``FrontParams`` from ``pack_params``, or from ``shard_params`` (then the call runs under
         ``jax.shard_map`` over the params' mesh), or one rank's params with ``axis_name``.
       plan: also return the MXFP8 copy of the latent (``FrontOutput.plan``).
+      permute: also return the dispatch order of SPEC section 4.1 (``FrontOutput.dispatch``):
+        where the routing kernel runs, it writes the order in the same launch as the top-k.
       backend: ``"auto"`` (Pallas kernels on a GPU, the XLA reference elsewhere), ``"xla"``,
         ``"pallas"`` or ``"interpret"`` (the Pallas kernels in interpret mode).
       axis_name: inside the caller's own ``jax.shard_map``: the mesh axis of the ``params.cfg.tp``
@@ -116,8 +169,8 @@ def moe_front(
         measured on one GPU only).
 
     Returns:
-      ``FrontOutput(ids, weights, latent, logits, shared, plan, status)``; with a mailbox, the pair
-      ``(FrontOutput, Mailbox)``, ``status`` being 0 or ``Mailbox.TIMEOUT``.
+      ``FrontOutput(ids, weights, latent, logits, shared, plan, status, dispatch)``; with a
+      mailbox, the pair ``(FrontOutput, Mailbox)``, ``status`` being 0 or ``Mailbox.TIMEOUT``.
 
     Raises:
       ValueError: at trace time, for a wrong shape or dtype of ``x`` or ``params``, an empty batch,
@@ -133,23 +186,17 @@ def moe_front(
       out = jax.jit(mf.moe_front)(x, params)      # x: [B, 7168] bfloat16
       out.ids, out.weights                         # [B, 16] int32, [B, 16] bfloat16
     """
-    if isinstance(plan, jax.core.Tracer):
-        raise ValueError(
-            "plan is traced: under jax.jit pass it as a static argument, "
-            "jax.jit(moe_front, static_argnames=('plan',))"
-        )
-    if not isinstance(plan, (bool, np.bool_)):
-        raise ValueError(f"plan must be a bool, got {type(plan).__name__} {plan!r}")
-    plan = bool(plan)
+    plan = check_static_bool("plan", plan, "moe_front")
+    permute = check_static_bool("permute", permute, "moe_front")
     dispatch.check_backend(backend)
     parallel.check_shared_reduce(shared_reduce)
-    options = dict(plan=plan, backend=backend, shared_reduce=shared_reduce)
+    options = dict(plan=plan, permute=permute, backend=backend, shared_reduce=shared_reduce)
     if axis_name is None and isinstance(params, FrontParams) and params.mesh is not None:
         if mailbox is not None:
             raise NotImplementedError(_MAILBOX_TP)
         parallel.check_sharded_params(params)
         check_rows(x, params.cfg)
-        return FrontOutput(*parallel.sharded_front(x, params, **options))
+        return _front_output(parallel.sharded_front(x, params, **options))
     check_params(params)
     cfg = params.cfg
     check_rows(x, cfg)
@@ -157,7 +204,7 @@ def moe_front(
         if mailbox is not None:
             mailboxes.check_mailbox(mailbox, cfg, x.shape[0])
         fields, mailbox = parallel.rank_front(x, params, axis_name, mailbox=mailbox, **options)
-        return FrontOutput(*fields) if mailbox is None else (FrontOutput(*fields), mailbox)
+        return _front_output(fields) if mailbox is None else (_front_output(fields), mailbox)
     if mailbox is not None:
         mailboxes.check_mailbox(mailbox, cfg, x.shape[0])
     if cfg.tp != 1:
@@ -176,15 +223,17 @@ def moe_front(
         box = (mailbox.buffer, mailbox.control, mailbox.tickets, cfg)
         block = cfg.plan_block if plan_gemm else None
         if dispatch.choose("front_gemm_publish", backend, *gemm_args, *box, plan_block=block).kernel:
-            ids, weights, logits, latent, planned, status, mailbox = mailboxes.gemm_exchange_route(
+            (ids, weights, logits, latent, planned, status, dispatched,
+             mailbox) = mailboxes.gemm_exchange_route(
                 mailbox, x, params.packed, params.bias, split=params.split,
                 valid=cfg.experts_per_rank, backend=backend, plan=plan, plan_block=block,
+                permute=permute,
             )
         else:
             logits, latent = dispatch.run("front_gemm", backend, *gemm_args)
-            ids, weights, logits, latent, planned, status, mailbox = mailboxes.exchange_route(
-                mailbox, logits, latent, params.bias, backend=backend, plan=plan
-            )
+            ids, weights, logits, latent, planned, status, dispatched, mailbox = (
+                mailboxes.exchange_route(mailbox, logits, latent, params.bias, backend=backend,
+                                         plan=plan, permute=permute))
     else:
         if plan_gemm:
             logits, latent, planned = dispatch.run("front_gemm_plan", backend, *gemm_args,
@@ -193,18 +242,32 @@ def moe_front(
             logits, latent = dispatch.run("front_gemm", backend, *gemm_args)
             if plan:
                 planned = dispatch.run("plan", backend, latent, cfg.plan_block)
-        ids, weights = dispatch.run("route", backend, logits, params.bias, cfg)
+        ids, weights, dispatched = route_stage(logits, params.bias, cfg, backend, permute)
     shared = None
     if params.has_shared:
         shared = dispatch.run("shared_expert", backend, x, params.gate_up, params.down, cfg,
                               jnp.bfloat16)
-    out = FrontOutput(ids, weights, latent, logits, shared, planned, status)
+    out = FrontOutput(ids, weights, latent, logits, shared, planned, status,
+                      as_dispatch(dispatched))
     return out if mailbox is None else (out, mailbox)
 
 
+def route_stage(logits, bias, cfg: FrontConfig, backend: str, permute: bool):
+    """The ``route`` stage: ``(ids, weights, (order, group_sizes, inverse) or None)``."""
+    if not permute:
+        return (*dispatch.run("route", backend, logits, bias, cfg), None)
+    ids, weights, *dispatched = dispatch.run("route", backend, logits, bias, cfg, permute=True)
+    return ids, weights, tuple(dispatched)
+
+
 def route(
-    logits: jax.Array, bias: jax.Array, cfg: FrontConfig, *, backend: str = "auto"
-) -> tuple[jax.Array, jax.Array]:
+    logits: jax.Array,
+    bias: jax.Array,
+    cfg: FrontConfig,
+    *,
+    backend: str = "auto",
+    permute: bool = False,
+) -> tuple[jax.Array, jax.Array] | tuple[jax.Array, jax.Array, Dispatch]:
     """The routing step alone: exact top-k of ``sigmoid(logits) + bias`` (SPEC section 4).
 
     Args:
@@ -212,15 +275,20 @@ def route(
       bias: ``[E]`` float32 correction bias.
       cfg: supplies ``experts``, ``top_k``, ``routed_scaling_factor`` and ``renormalize``.
       backend: as for ``moe_front``.
+      permute: also return the ``Dispatch`` of SPEC section 4.1 (static under ``jax.jit``); where
+        the routing kernel runs, it writes it in the same launch as the top-k.
 
     Returns:
       ``ids`` ``[B, K]`` int32 (``cfg.top_k`` distinct experts in ``[0, E)`` for any input, ties
-      to the lower id, NaN lowest) and ``weights`` ``[B, K]`` bfloat16.
+      to the lower id, NaN lowest) and ``weights`` ``[B, K]`` bfloat16; with ``permute``, the
+      triple ``(ids, weights, Dispatch)``.
 
     Raises:
       ValueError: an unknown ``backend``; ``cfg`` not a ``FrontConfig``; ``logits`` not a
-        ``[B, E]`` float32 array or an empty batch; ``bias`` not ``[E]`` float32.
+        ``[B, E]`` float32 array or an empty batch; ``bias`` not ``[E]`` float32; ``permute`` not
+        a bool.
     """
+    permute = check_static_bool("permute", permute, "route")
     dispatch.check_backend(backend)
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
@@ -230,4 +298,5 @@ def route(
         got = (f"a {type(bias).__name__}" if bias_shape is None
                else f"{tuple(bias_shape)} {bias.dtype}")
         raise ValueError(f"bias must be ({cfg.experts},) float32, got {got}")
-    return dispatch.run("route", backend, logits, bias, cfg)
+    ids, weights, dispatched = route_stage(logits, bias, cfg, backend, permute)
+    return (ids, weights) if dispatched is None else (ids, weights, Dispatch(*dispatched))

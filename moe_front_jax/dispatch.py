@@ -57,7 +57,11 @@ STAGES: dict[str, Stage] = {
     # kernel as one, so "auto" runs the plain GEMM and the plan stage.
     "front_gemm_plan": Stage(f"{_R}.gemm:front_gemm_plan", f"{_P}.front_gemm:front_gemm_plan",
                              auto=NEVER, covers=f"{_P}.front_gemm:covers"),
+    # With ``permute=True`` (a keyword) the routing kernel also writes the dispatch order (SPEC 4.1)
+    # in the same launch; "permute" is that order alone from ids (after ``route_collect``).
     "route": Stage(f"{_R}.routing:route", f"{_P}.route:route", covers=f"{_P}.route:covers"),
+    "permute": Stage(f"{_R}.routing:permutation", f"{_P}.route:permutation",
+                     covers=f"{_P}.route:covers_permutation"),
     "plan": Stage(f"{_R}.plan:mxfp8_plan", f"{_P}.plan:plan", covers=f"{_P}.plan:covers"),
     "shared_expert": Stage(f"{_R}.shared:shared_expert", f"{_P}.shared_expert:shared_expert",
                            auto=f"{_P}.shared_expert:auto_prefers_kernel",

@@ -245,6 +245,7 @@ def rank_front(
     plan: bool,
     backend: str,
     shared_reduce: str,
+    permute: bool = False,
     mailbox=None,
 ) -> tuple:
     """One rank's front inside ``shard_map``: its GEMM, the exchange, routing of all experts.
@@ -257,8 +258,9 @@ def rank_front(
 
     Returns:
       The fields of ``FrontOutput`` in order: ``ids``, ``weights``, ``latent`` ``[B, L]``, ``logits``
-      ``[B, E]``, ``shared`` (``reduce_shared``'s, or None), ``plan`` (or None), ``status``; then
-      the returned mailbox (None without one).
+      ``[B, E]``, ``shared`` (``reduce_shared``'s, or None), ``plan`` (or None), ``status``, the
+      dispatch ``(order, group_sizes, inverse)`` with ``permute`` (or None; every rank routes all
+      experts, so every rank's is the same); then the returned mailbox (None without one).
 
     Raises:
       ValueError: ``axis_name`` is not an axis of the enclosing ``shard_map``, its size is not
@@ -282,23 +284,31 @@ def rank_front(
     status = jnp.zeros((), jnp.int32)
     if mailbox is None:
         logits, latent = exchange(logits, latent_shard, axis_name)
-        ids, weights = dispatch.run("route", backend, logits, params.bias, cfg)
+        dispatched = None
+        if permute:
+            ids, weights, *dispatched = dispatch.run("route", backend, logits, params.bias, cfg,
+                                                     permute=True)
+            dispatched = tuple(dispatched)
+        else:
+            ids, weights = dispatch.run("route", backend, logits, params.bias, cfg)
         planned = dispatch.run("plan", backend, latent, cfg.plan_block) if plan else None
     else:
         transport = "peer" if mailboxes.runs_kernels(mailbox, x.shape[0], backend) else "gather"
-        ids, weights, logits, latent, planned, status, mailbox = mailboxes.exchange_route(
-            mailbox, logits, latent_shard, params.bias, axis_name=axis_name, backend=backend,
-            transport=transport, plan=plan,
-        )
+        ids, weights, logits, latent, planned, status, dispatched, mailbox = (
+            mailboxes.exchange_route(
+                mailbox, logits, latent_shard, params.bias, axis_name=axis_name, backend=backend,
+                transport=transport, plan=plan, permute=permute,
+            ))
     shared = None
     if params.has_shared:
         partial = dispatch.run("shared_expert", backend, x, params.gate_up, params.down, cfg,
                                jnp.float32)
         shared = reduce_shared(partial, axis_name, shared_reduce)
-    return (ids, weights, latent, logits, shared, planned, status), mailbox
+    return (ids, weights, latent, logits, shared, planned, status, dispatched), mailbox
 
 
-def runs_kernels(params: FrontParams, rows: int, backend: str, plan: bool) -> bool:
+def runs_kernels(params: FrontParams, rows: int, backend: str, plan: bool,
+                 permute: bool = False) -> bool:
     """Whether ``rank_front`` over ``rows`` rows of one rank's ``params`` runs any Pallas kernel
     under ``backend`` (``dispatch`` asked with the rank's shapes), rather than only the reference."""
     cfg = params.cfg
@@ -308,19 +318,23 @@ def runs_kernels(params: FrontParams, rows: int, backend: str, plan: bool) -> bo
 
     x = local(rows, cfg.hidden)
     packed = local(params.split + cfg.latent_per_rank, cfg.hidden)
-    asks = [("front_gemm", (x, packed, params.split, cfg.experts_per_rank)),
+    asks = [("front_gemm", (x, packed, params.split, cfg.experts_per_rank), {}),
             ("route", (local(rows, cfg.experts, dtype=jnp.float32),
-                       local(cfg.experts, dtype=jnp.float32), cfg))]
+                       local(cfg.experts, dtype=jnp.float32), cfg),
+             dict(permute=True) if permute else {})]
     if plan:
-        asks.append(("plan", (local(rows, cfg.latent), cfg.plan_block)))
+        asks.append(("plan", (local(rows, cfg.latent), cfg.plan_block), {}))
     if params.has_shared:
         asks.append(("shared_expert", (x, local(2 * cfg.shared_per_rank, cfg.hidden),
-                                       local(cfg.hidden, cfg.shared_per_rank), cfg, jnp.float32)))
-    return any(dispatch.choose(name, backend, *args).kernel for name, args in asks)
+                                       local(cfg.hidden, cfg.shared_per_rank), cfg, jnp.float32),
+                     {}))
+    return any(dispatch.choose(name, backend, *args, **kwargs).kernel
+               for name, args, kwargs in asks)
 
 
 def sharded_front(
-    x: jax.Array, params: FrontParams, *, plan: bool, backend: str, shared_reduce: str
+    x: jax.Array, params: FrontParams, *, plan: bool, backend: str, shared_reduce: str,
+    permute: bool = False,
 ) -> tuple:
     """``rank_front`` on every device of ``params.mesh`` under ``jax.shard_map``.
 
@@ -330,7 +344,10 @@ def sharded_front(
     Returns:
       The fields of ``FrontOutput`` as global arrays: everything ``[B, ...]`` replicated over the
       ``tp`` axis, except ``shared`` under ``"psum_scatter"``: ``[B, H]`` whose hidden columns are
-      sharded over it (each device holds its ``H/tp`` columns of the reduce-scatter).
+      sharded over it (each device holds its ``H/tp`` columns of the reduce-scatter). The dispatch
+      (with ``permute``): ``order`` and ``inverse`` ``[B * K]``, ``group_sizes`` ``[groups * E]``,
+      split over the data-parallel axes: group ``g``'s part is the dispatch of its own rows, its
+      slots numbered from 0 (with no data-parallel axis, the direct path's dispatch).
 
     Raises:
       ValueError: ``B`` not divisible by the product of the other mesh axes' sizes, or
@@ -359,7 +376,8 @@ def sharded_front(
     def body(x, packed, bias, gate_up, down):
         local = FrontParams(packed, bias, gate_up, down, cfg, params.split)
         fields, _ = rank_front(
-            x, local, axis, plan=plan, backend=backend, shared_reduce=shared_reduce
+            x, local, axis, plan=plan, backend=backend, shared_reduce=shared_reduce,
+            permute=permute,
         )
         return fields
 
@@ -367,8 +385,9 @@ def sharded_front(
         body,
         mesh=mesh,
         in_specs=(rows, specs["packed"], specs["bias"], specs["gate_up"], specs["down"]),
-        out_specs=(rows, rows, rows, rows, shared_spec, rows, PartitionSpec()),
+        out_specs=(rows, rows, rows, rows, shared_spec, rows, PartitionSpec(),
+                   PartitionSpec(batch)),
         # A pallas_call's out_shape carries no varying-axes type, which check_vma=True requires.
-        check_vma=not runs_kernels(params, x.shape[0] // groups, backend, plan),
+        check_vma=not runs_kernels(params, x.shape[0] // groups, backend, plan, permute),
     )
     return front(x, params.packed, params.bias, params.gate_up, params.down)

@@ -1,5 +1,5 @@
 """Routing (SPEC section 4): exact top-k of sigmoid(logits) + bias, ties to the lower id, NaN lowest,
-and the renormalized bfloat16 weights.
+the renormalized bfloat16 weights, and (``permute``) the dispatch order of SPEC section 4.1.
 """
 
 from __future__ import annotations
@@ -61,19 +61,41 @@ def routing_weights(chosen_scores: jax.Array, cfg: FrontConfig) -> jax.Array:
     return scaled.astype(jnp.bfloat16)
 
 
+def permutation(ids: jax.Array, cfg: FrontConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The dispatch order of SPEC section 4.1 from ``ids`` ``[B, K]`` int32 in ``[0, E)``.
+
+    A stable sort by expert of the flat slots ``s = token * K + rank`` (``ids.ravel()``): the slots
+    of expert 0 first, each expert's in increasing token order.
+
+    Returns:
+      ``order`` ``[B * K]`` int32 (``ids.ravel()[order]`` non-decreasing, slots increasing within
+      an expert), ``group_sizes`` ``[E]`` int32 (the histogram of ``ids``, summing to ``B * K``) and
+      ``inverse`` ``[B * K]`` int32, the position of each slot in ``order`` (``order[inverse] ==
+      arange``).
+    """
+    flat = ids.reshape(-1).astype(jnp.int32)
+    slots = flat.shape[0]
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    group_sizes = jnp.zeros((cfg.experts,), jnp.int32).at[flat].add(1)
+    inverse = jnp.zeros((slots,), jnp.int32).at[order].set(jnp.arange(slots, dtype=jnp.int32))
+    return order, group_sizes, inverse
+
+
 def route(
-    logits: jax.Array, bias: jax.Array, cfg: FrontConfig
-) -> tuple[jax.Array, jax.Array]:
+    logits: jax.Array, bias: jax.Array, cfg: FrontConfig, *, permute: bool = False
+) -> tuple[jax.Array, ...]:
     """Exact top-k routing by sigmoid + correction bias (SPEC section 4).
 
     Args:
       logits: ``[B, E]`` float32 router logits (all experts, every rank's shard).
       bias: ``[E]`` float32 ``e_score_correction_bias``.
       cfg: supplies ``top_k``, ``routed_scaling_factor`` and ``renormalize``.
+      permute: also return the dispatch order (``permutation``; static).
 
     Returns:
       ``ids`` ``[B, K]`` int32, rank 0 the largest key, ties to the lower expert id, NaN keys lowest;
-      ``weights`` ``[B, K]`` bfloat16 from the unbiased sigmoids.
+      ``weights`` ``[B, K]`` bfloat16 from the unbiased sigmoids; with ``permute``, then
+      ``permutation(ids, cfg)``'s ``order``, ``group_sizes`` and ``inverse``.
     """
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
     keys = ordered_key(scores + bias.astype(jnp.float32))
@@ -81,4 +103,8 @@ def route(
     signed = lax.bitcast_convert_type(keys ^ jnp.uint32(0x80000000), jnp.int32)
     _, ids = lax.top_k(signed, cfg.top_k)
     chosen = jnp.take_along_axis(scores, ids, axis=-1)
-    return ids.astype(jnp.int32), routing_weights(chosen, cfg)
+    ids = ids.astype(jnp.int32)
+    weights = routing_weights(chosen, cfg)
+    if permute:
+        return (ids, weights, *permutation(ids, cfg))
+    return ids, weights
