@@ -203,18 +203,22 @@ def test_interpret_down_is_exact(batch, out_dtype, config):
     np.testing.assert_array_equal(bits(out), bits(jnp.asarray(want)))
 
 
+K3_TP8_INTERPRET = EngineConfig(router_rows=56, latent_rows=64, gate_up_rows=64, block_k=256,
+                                num_stages=2)
+
+
 def test_interpret_k3_tp8_front_gate_up():
     """One rank at K3's tp8 shapes (560 front rows, 768 gate/up pairs, K = 7168: the logits in 4
-    chains) on the heuristic's CTAs with the plan, B = 3: exact against float64, the plan the
-    reference's."""
+    chains) with the plan, B = 3, on 21 CTAs in K steps of 256 (the heuristic's 131 CTAs in steps
+    of 128 take over a minute here): exact against float64, the plan the reference's."""
     cfg = K3.with_tp(8)
     valid, shard, s_r = cfg.experts_per_rank, cfg.latent_per_rank, cfg.shared_per_rank
     split = padded_split(valid)
     x, w = exact_front(3, hidden=K3.hidden, valid=valid, split=split, shard=shard)
     gate_up = exact_gate_up(s_r, hidden=K3.hidden)
     logits, latent, planned, hidden = jax.jit(
-        lambda x, w, g: ek.front_gate_up(x, w, split, valid, g, cfg, plan=True, interpret=True))(
-            x, w, gate_up)
+        lambda x, w, g: ek.front_gate_up(x, w, split, valid, g, cfg, plan=True, interpret=True,
+                                         config=K3_TP8_INTERPRET))(x, w, gate_up)
     assert_front_exact(logits, latent, product(x, w), valid, split)
     want = reference.situ(*(jnp.asarray(h.astype(ml_dtypes.bfloat16)) for h in
                             np.split(product(x, gate_up), 2, axis=1)), cfg.situ_beta,
@@ -280,6 +284,13 @@ def test_covers_errors():
         ek.down(h, d, jnp.float16)
     with pytest.raises(ValueError, match="needs hidden divisible by block_k=512"):
         ek.front_gemm(x, w, SPLIT, VALID, config=EngineConfig(router_rows=16, block_k=512))
+    with pytest.raises(ValueError, match="takes 256 KiB of shared memory, over the 227 KiB"):
+        ek.front_gemm(x, w, SPLIT, VALID, config=EngineConfig(
+            router_rows=64, latent_rows=64, block_k=256, num_stages=4))
+    with pytest.raises(ValueError, match="8 accumulators of router_rows=64 take 256 registers"):
+        ek.front_gemm(jnp.zeros((1, 8192), jnp.bfloat16), jnp.zeros((SPLIT + SHARD, 8192),
+                      jnp.bfloat16), SPLIT, VALID,
+                      config=EngineConfig(router_rows=64, fold_k=1024))
     with pytest.raises(ValueError, match="config must be an EngineConfig or None"):
         ek.front_gemm(x, w, SPLIT, VALID, config=(32, 32))
 

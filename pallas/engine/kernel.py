@@ -54,6 +54,8 @@ FOLD_K = 2048
 """The logits' accumulator is added into a float32 total every ``FOLD_K`` of K: one tensor-core
 chain over K3's 7168 left logits 1.8-2.4x the 1e-5 contract off (docs/findings.md, stream-K and the
 fold)."""
+MAX_SMEM = 227 * 1024
+"""Shared memory a Hopper CTA may have."""
 SMEM_BUDGET = 200 * 1024
 """The heuristic's ring stays under this (of the 227 KiB a Hopper CTA may have); the epilogue's
 buffers reuse it once the ring is drained."""
@@ -528,7 +530,24 @@ def _front_config(x, packed, split, valid, gate_up_rows: int, plan_block: int,
             f"{config.latent_rows} is not a multiple of {plan_block}; pick another config")
     if gate_up_rows:
         _check_cut("gate/up", gate_up_rows, config.gate_up_rows)
+    chains = chains_for(depth, config.fold_k, config.block_k)
+    if chains * config.router_rows > 2 * MAX_ACC_REGS:
+        raise ValueError(
+            f"the logits' {chains} accumulators of router_rows={config.router_rows} take "
+            f"{chains * config.router_rows // 2} registers a thread, over {MAX_ACC_REGS}; pick "
+            "fewer router rows or a larger fold_k")
+    _check_smem(config, max(config.router_rows, config.latent_rows,
+                            2 * config.gate_up_rows if gate_up_rows else 0))
     return config
+
+
+def _check_smem(config: EngineConfig, widest: int) -> None:
+    ring = config.num_stages * 2 * config.block_k * (MAX_BATCH + widest)
+    if ring > MAX_SMEM:
+        raise ValueError(
+            f"config {config}: a ring of {config.num_stages} stages of {config.block_k} columns "
+            f"over {widest} weight rows and 64 of x takes {ring // 1024} KiB of shared memory, "
+            f"over the {MAX_SMEM // 1024} KiB a CTA may have")
 
 
 def covers_front_gemm(x, packed, split, valid, *, config=None) -> None:
@@ -579,6 +598,7 @@ def _down_config(hidden, down, config):
     if config is None:
         config = heuristic_config(hidden.shape[0], depth, down=down.shape[0], cores=core_count())
     _check_cut("down", down.shape[0], config.down_rows)
+    _check_smem(config, config.down_rows)
     return config
 
 
