@@ -60,7 +60,8 @@ def bits(a):
 
 def assert_front_exact(logits, latent, y, valid=VALID, split=SPLIT):
     np.testing.assert_array_equal(np.asarray(logits), y[:, :valid].astype(np.float32))
-    np.testing.assert_array_equal(bits(latent), y[:, split:].astype(ml_dtypes.bfloat16).view(np.uint16))
+    np.testing.assert_array_equal(bits(latent),
+                                  y[:, split:].astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
 def situ_of(h, s_r):
@@ -258,8 +259,9 @@ def test_covers_errors():
     with pytest.raises(NotImplementedError, match="multiple of 32"):
         ek.covers_front_gemm(x[:, :48], w[:, :48], SPLIT, VALID)
     with pytest.raises(NotImplementedError, match="latent_rows=16 is not a multiple of 32"):
-        ek.covers_front_gate_up(x, w, SPLIT, VALID, gate_up, SMALL, plan=True,
-                                config=EngineConfig(router_rows=16, latent_rows=16, gate_up_rows=16))
+        ek.covers_front_gate_up(
+            x, w, SPLIT, VALID, gate_up, SMALL, plan=True,
+            config=EngineConfig(router_rows=16, latent_rows=16, gate_up_rows=16))
     with pytest.raises(ValueError, match="latent shard's 120 rows must be a multiple of"):
         ek.covers_front_gate_up(x, w[:-8], SPLIT, VALID, gate_up, SMALL, plan=True)
     with pytest.raises(ValueError, match="x is an empty batch"):
@@ -414,7 +416,8 @@ def k3_weights():
 
 
 def close_to_float64(got, y, tol):
-    """``got`` within ``tol`` of ``y`` relative to each value's magnitude, at least its row's RMS."""
+    """``got`` within ``tol`` of ``y`` relative to each value's magnitude, at least its row's
+    RMS."""
     mag = np.maximum(np.abs(y), np.sqrt((y**2).mean(axis=1, keepdims=True)))
     return (np.abs(np.asarray(got, np.float64) - y) <= tol * mag).all()
 

@@ -3,9 +3,9 @@
 Every CTA owns ``rows`` consecutive rows of one region over all of K (no split): a ring of
 ``num_stages`` TMA stages of ``block_k`` columns feeds wgmma with ``x``'s rows, zero-filled to 64,
 as M and the CTA's rows as N (tma.py's ``batch_m``). Each region has its own epilogue on the
-accumulator registers, TMA-stored through shared memory: router rows -> float32 logits (the chain
-folded every ``fold_k``); latent rows -> bfloat16 latent (and its MXFP8 plan); gate/up pairs (two
-accumulators) -> ``situ(bf16(gate), bf16(up))``; down rows -> bfloat16, or a float32 partial.
+accumulator registers, TMA-stored through shared memory: router rows -> float32 logits (K cut into
+chains of at most ``fold_k``); latent rows -> bfloat16 latent (and its MXFP8 plan); gate/up pairs
+(two accumulators) -> ``situ(bf16(gate), bf16(up))``; down rows -> bfloat16, or a float32 partial.
 The CTA -> region map is static; regions run biggest CTAs first; every kernel waits first thing
 (``griddepcontrol_wait``) to be launched with PDL.
 
@@ -77,7 +77,8 @@ class EngineConfig:
         up to 128.
       block_k: K columns per TMA stage, a power of two from 32 to 512.
       num_stages: TMA stages in the ring, at least 2.
-      fold_k: K columns per accumulation chain of the logits (a multiple of ``block_k``).
+      fold_k: most K columns one accumulation chain of the logits covers (``chains_for``); a
+        multiple of ``block_k``.
     """
 
     router_rows: int = 32
@@ -135,7 +136,8 @@ class Region:
 
 
 def row_choices(rows: int, most: int, multiple: int = ROW_STEP) -> tuple[int, ...]:
-    """CTA row counts that cut ``rows`` evenly: multiples of ``multiple`` (and of 8) up to ``most``."""
+    """CTA row counts that cut ``rows`` evenly: multiples of ``multiple`` (and of 8) up to
+    ``most``."""
     step = multiple * ROW_STEP // math.gcd(multiple, ROW_STEP)
     return tuple(r for r in range(step, min(rows, most) + 1, step) if rows % r == 0)
 
@@ -186,9 +188,10 @@ def cut(regions: tuple[tuple[int, int, int, int], ...], batch: int, depth: int,
         cores: int) -> tuple[int, tuple[int, ...], int]:
     """``(block_k, CTA rows per region, stages)`` for regions ``(rows, parts, multiple, chains)``:
     the cut whose CTAs, longest first, end soonest on ``cores`` SMs (``makespan`` of
-    ``_cta_time``, each SM at its share of the read rate: a model of a full machine); among equals,
-    the one that keeps the most SMs busy, then the fewest CTAs. A CTA's accumulators (``parts`` or ``chains``
-    of them) stay within ``MAX_ACC_REGS``; its ring keeps 3 stages or more. Raises
+    ``_cta_time``, each SM at its share of the read rate: a model of a full machine); among
+    equals, the one that keeps the most SMs busy, then the fewest CTAs. A CTA's accumulators
+    (``parts`` or ``chains`` of them) stay within ``MAX_ACC_REGS``; its ring keeps 3 stages or
+    more. Raises
     NotImplementedError where a region cannot be cut."""
     x_rows = tma_rows(batch)
     options = []
@@ -250,7 +253,8 @@ def _await_inputs(interpret: bool) -> None:
 
 
 def _transforms(block_k: int) -> tuple:
-    """Shared-memory tiling and swizzle of a ``[rows, block_k]`` bfloat16 stage, as wgmma reads it."""
+    """Shared-memory tiling and swizzle of a ``[rows, block_k]`` bfloat16 stage, as wgmma reads
+    it."""
     swizzle = plgpu.find_swizzle(block_k * 16)
     return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
 
@@ -416,7 +420,8 @@ def _epilogue(region: Region, accs, outs, column, bp: int, ep: _Epilogue) -> Non
 
 def _launch(x, weights, regions: tuple[Region, ...], out_types, config: EngineConfig,
             ep: _Epilogue, interpret: bool, name: str):
-    """One kernel over ``regions`` (biggest CTAs first); returns the outputs, ``[tma_rows(B), ...]``."""
+    """One kernel over ``regions`` (biggest CTAs first); returns the outputs, each
+    ``[tma_rows(B), ...]``."""
     bp = x.shape[0]
     chains = chains_for(x.shape[1], config.fold_k, config.block_k)
     order = sorted(regions, key=lambda r: -len(r.first_rows) * r.cta_rows)
