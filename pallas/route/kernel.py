@@ -23,6 +23,43 @@ weights, 3.7 KB a K3 row (0.8 ns at 4.65 TB/s); FLOPs about B * E * (sigmoid, ad
 compares per reduction). Latency-bound: the floor is a launch, a load and a store, about 1 us (the
 plan kernel's 0.93). Measured on the H200 with ``pallas/tuning/nvidia-h200/route.json``'s schedules:
 3.33 us at B=1, 3.55 at 64, 4.51 at 256, 3.6-3.9x XLA's route (docs/findings.md).
+
+The dispatch order (``permute=True``, SPEC section 4.1), in the same launch. Triton's lowering has no
+sort, gather from registers or scatter-add, so the order is a counting sort through a bitmap in global
+memory (``workspace``, zeroed by XLA: one memset before the launch), in three steps:
+
+1. Each program, once its ids are stored, marks its tokens: for token ``t`` and each chosen expert
+   ``e``, an atomic or of ``1 << (t % 32)`` into word ``(t // 32, e)`` (``mark_tokens``; a token
+   holds an expert once, so the bits are distinct). Then it takes a ticket: a CTA barrier and an
+   acquire-release atomic add on the ticket word, as ``gemm.triton.finish_split_k`` hands a tile to
+   its last program. With one program (B <= block_rows) there is no ticket, only the barrier.
+2. The program that draws the last ticket (``finish_permutation``) reads the bitmap's ``W =
+   ceil(B / 32)`` columns of ``lanes`` words and popcounts them: ``group_sizes`` is the sum over
+   columns; an exclusive ``cumsum`` over experts (Triton's scan) gives each expert's start; each
+   column's running start (``prefix[w, e]``: the start of ``e`` plus its slots of tokens below
+   ``32 w``) goes to a scratch output, then a CTA barrier.
+3. Then, in chunks of ``PERMUTE_CHUNK`` rows, it reads the ids back and, for slot ``s = t K + r`` of
+   expert ``e``: ``inverse[s] = prefix[t // 32, e] + popcount(word(t // 32, e) & ((1 << t % 32) -
+   1))`` (two gathers from global memory), then scatters ``order[inverse[s]] = s``.
+
+The last program's plain loads see every program's writes after the ticket's acquire: no line of the
+bitmap (touched only by atomics, at L2) or of the ids (only stored) can sit in its SM's L1 before it
+reads them (``finish_split_k``'s argument; Pallas' ``.cg`` cache modifier does not lower in jax
+0.11.2: its lookup table is keyed ``"cg"``, its check ``".cg"``).
+
+Every step is integer arithmetic on the ids: the bits do not depend on the schedule, the arrival order
+or the device, and equal ``reference.routing.permutation``'s. Interpret mode runs the same steps, its
+marks as atomic adds one row at a time (``mark_tokens`` says why).
+
+Cost of the order (``permute_bytes``, all of it L2-resident): ``4 (lanes W + 2)`` bytes zeroed,
+``4BK`` of atomic ors, then by the last program ``8 lanes W`` read (the bitmap twice), ``4 lanes W``
+prefix written, ``4E`` group sizes, ``4BK`` ids read, ``8BK`` gathered, ``8BK`` inverse and order
+written: ``16 lanes W + 24BK + 4E + 8`` bytes, 20 KB at B = 1 and 233 KB at B = 256 for K3. Its
+latency is the last program's: one CTA's L2 round trips (``2 + 3 ceil(B / PERMUTE_CHUNK)``
+dependent steps) after the slowest program's ticket. Not yet measured on a GPU
+(``benchmarks/bench_route.py`` times it beside routing alone and beside XLA's top_k + argsort).
+``permutation`` is the same three steps as a kernel of its own over given ids (after
+``route_collect``): programs of ``PERMUTE_BLOCK`` rows mark their tokens, the last one finishes.
 """
 from __future__ import annotations
 
@@ -47,6 +84,14 @@ PAD_KEY = -(2**31)
 """Key of a padding lane and of an expert already chosen: below NaN."""
 SELECTS = ("argmax", "groups")
 """The selections ``RouteConfig.select`` names: ``select_ranked`` and ``select_grouped``."""
+MAX_PERMUTE_ROWS = 1024
+"""Largest batch whose dispatch order the kernels write (``covers``): the last program unrolls a
+loop over ``ceil(B / 32)`` bitmap columns and ``ceil(B / PERMUTE_CHUNK)`` row chunks."""
+PERMUTE_CHUNK = 64
+"""Rows of ids the last program turns into ``inverse`` and ``order`` per step (1024 K3 slots: 8
+per thread of 4 warps)."""
+PERMUTE_BLOCK = 64
+"""Rows per program of the standalone ``permutation`` kernel."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +182,111 @@ def pick_config(batch: int, experts: int, top_k: int) -> RouteConfig:
 def route_bytes(batch: int, experts: int, top_k: int) -> int:
     """Bytes one call moves (the docstring's count): logits, bias, the chosen logits again, outputs."""
     return 4 * batch * experts + 4 * experts + 4 * batch * top_k + 6 * batch * top_k
+
+
+def permute_words(batch: int) -> int:
+    """Bitmap columns of the dispatch order: one 32-bit word per expert for each 32 tokens."""
+    return -(-batch // 32)
+
+
+def permute_bytes(batch: int, experts: int, top_k: int) -> int:
+    """Bytes the dispatch order adds to a call (the module docstring's count, all L2-resident)."""
+    lanes = next_power_of_2(experts)
+    return 16 * lanes * permute_words(batch) + 24 * batch * top_k + 4 * experts + 8
+
+
+def workspace_shape(batch: int, lanes: int) -> tuple[int]:
+    """The zeroed int32 workspace of the order: the bitmap ``[W, lanes]`` (flat, column ``w`` at
+    ``w * lanes``), the ticket word, a junk word that the masked lanes of the marks go to."""
+    return (lanes * permute_words(batch) + 2,)
+
+
+def _ticket_word(batch: int, lanes: int) -> int:
+    return lanes * permute_words(batch)
+
+
+def mark_tokens(ws_ref, ids, rows, ok, *, lanes: int, interpret: bool) -> None:
+    """Set bit ``t % 32`` of bitmap word ``(t // 32, e)`` for each chosen expert ``e`` of each token
+    ``t`` of ``rows`` ``[rows, 1]`` int32 (``ids`` ``[rows, slots]``, ``ok`` the same shape:
+    padding rows and slots False). Masked lanes go to the junk word with 0: Pallas' interpret mode
+    has no masked atomics.
+
+    On the GPU one vector ``atomic_or``. (Not an add: Pallas lowers an integer atomic add of a
+    tensor as ``fadd``, seen in the Triton IR of jax 0.11.2.) Interpret mode has no atomic or, and
+    its vector atomic is a scatter that keeps one of repeated addresses (two rows of a word choosing
+    the same expert): there, one ``atomic_add`` per row, which equals the or as the bits are
+    distinct (a token holds an expert once)."""
+    junk = ws_ref.shape[0] - 1  # the workspace's last word
+    index = jnp.where(ok, (rows >> 5) * lanes + ids, junk)
+    value = jnp.where(ok, jnp.left_shift(jnp.int32(1), rows & 31), jnp.int32(0))
+    if interpret:
+        for r in range(ids.shape[0]):
+            plgpu.atomic_add(ws_ref, index[r], value[r])
+    else:
+        plgpu.atomic_or(ws_ref, index, value)
+
+
+def finish_permutation(ids_ref, ws_ref, prefix_ref, order_ref, sizes_ref, inverse_ref, *,
+                       batch: int, experts: int, lanes: int, k: int, slots: int,
+                       interpret: bool) -> None:
+    """Steps 2 and 3 of the module docstring, by the one program that drew the last ticket: from the
+    bitmap in ``ws_ref`` and the ids in ``ids_ref`` ``[B, K]`` (every program's, visible through the
+    ticket's acquire), write ``sizes_ref`` ``[E]``, ``prefix_ref`` ``[W *
+    lanes]`` (scratch), ``inverse_ref`` ``[B, K]`` and ``order_ref`` ``[B * K]``."""
+    words = permute_words(batch)
+    lane = lax.broadcasted_iota(jnp.int32, (lanes,), 0)
+
+    def column(w):
+        return plgpu.load(ws_ref.at[pl.ds(w * lanes, lanes)])
+
+    counts = lax.population_count(column(0))
+    for w in range(1, words):
+        counts = counts + lax.population_count(column(w))
+    plgpu.store(sizes_ref.at[pl.ds(0, lanes)], counts,
+                mask=None if lanes == experts else lane < experts)
+    running = jnp.cumsum(counts) - counts  # each expert's start: the exclusive prefix
+    for w in range(words):
+        plgpu.store(prefix_ref.at[pl.ds(w * lanes, lanes)], running)
+        if w + 1 < words:
+            running = running + lax.population_count(column(w))
+    if not interpret:  # interpret mode runs programs one at a time (and has no barrier rule)
+        plgpu.debug_barrier()  # the prefix, stored by every thread, before any thread gathers it
+    chunk = min(PERMUTE_CHUNK, next_power_of_2(batch))
+    slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
+    for first in range(0, batch, chunk):
+        rows = first + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
+        ok = (rows < batch) & (slot < k)
+        mask = None if first + chunk <= batch and slots == k else ok
+        # A traced start: a static one past the end fails the indexer's bounds check.
+        ids = plgpu.load(ids_ref.at[pl.ds(jnp.int32(first), chunk), pl.ds(0, slots)], mask=mask,
+                         other=None if mask is None else 0)
+        at = (rows >> 5) * lanes + ids
+        if mask is not None:
+            at = jnp.where(ok, at, 0)
+        start = plgpu.load(prefix_ref.at[at], mask=mask, other=None if mask is None else 0)
+        word = plgpu.load(ws_ref.at[at], mask=mask, other=None if mask is None else 0)
+        below = word & (jnp.left_shift(jnp.int32(1), rows & 31) - 1)  # tokens below t in the word
+        inverse = start + lax.population_count(below)
+        plgpu.store(inverse_ref.at[pl.ds(jnp.int32(first), chunk), pl.ds(0, slots)], inverse,
+                    mask=mask)
+        target = inverse if mask is None else jnp.where(ok, inverse, batch * k)  # past the end
+        plgpu.store(order_ref.at[target], rows * k + slot, mask=mask)
+
+
+def arrive(ws_ref, *, batch: int, lanes: int, programs: int, interpret: bool, finish) -> None:
+    """Step 1's hand-off: after a CTA barrier (this program's ids and atomic ors before its
+    ticket), an acquire-release ticket; the program that draws ``programs - 1`` runs ``finish()``.
+    One program finishes at once, after the barrier alone."""
+    if not interpret:
+        plgpu.debug_barrier()
+    if programs == 1:
+        finish()
+        return
+    ticket = plgpu.atomic_add(ws_ref, jnp.int32(_ticket_word(batch, lanes)), jnp.int32(1))
+
+    @pl.when(ticket == programs - 1)
+    def _():
+        finish()
 
 
 def _div(x, y, interpret: bool):
@@ -334,8 +484,12 @@ def routing_weights(chosen, slot, cfg: FrontConfig, interpret: bool):
     return scaled.astype(jnp.bfloat16)
 
 
-def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes, slots, cfg,
-            block_rows, widths, interpret):
+def _kernel(logits_ref, bias_ref, *refs, batch, experts, lanes, slots, cfg, block_rows, widths,
+            permute, interpret):
+    if permute:  # the workspace is an input aliased to an output: use the output
+        _, ids_ref, weights_ref, order_ref, sizes_ref, inverse_ref, ws_ref, prefix_ref = refs
+    else:
+        ids_ref, weights_ref = refs
     bb, k = block_rows, cfg.top_k
     first = pl.program_id(0) * bb
     rows = first + lax.broadcasted_iota(jnp.int32, (bb, 1), 0)
@@ -398,6 +552,13 @@ def _kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, batch, experts, lanes
     scaled = routing_weights(chosen, slot, cfg, interpret)
     plgpu.store(ids_ref.at[pl.ds(first, bb), pl.ds(0, slots)], ids, mask=out_mask)
     plgpu.store(weights_ref.at[pl.ds(first, bb), pl.ds(0, slots)], scaled, mask=out_mask)
+    if permute:
+        mark_tokens(ws_ref, ids, rows, row_ok & (slot < k), lanes=lanes, interpret=interpret)
+        arrive(ws_ref, batch=batch, lanes=lanes, programs=pl.cdiv(batch, bb), interpret=interpret,
+               finish=functools.partial(
+                   finish_permutation, ids_ref, ws_ref, prefix_ref, order_ref, sizes_ref,
+                   inverse_ref, batch=batch, experts=experts, lanes=lanes, k=k, slots=slots,
+                   interpret=interpret))
 
 
 def _check(logits, bias, cfg) -> None:
@@ -423,10 +584,32 @@ def _check(logits, bias, cfg) -> None:
         )
 
 
-def covers(logits, bias, cfg) -> None:
+def _check_permute_rows(batch: int) -> None:
+    if batch > MAX_PERMUTE_ROWS:
+        raise NotImplementedError(
+            f"the routing kernels write the dispatch order of up to {MAX_PERMUTE_ROWS} rows, got "
+            f"B={batch}; use backend='xla'")
+
+
+def covers(logits, bias, cfg, *, permute: bool = False) -> None:
     """Raise ``NotImplementedError`` where the kernel does not cover these arguments (more than
-    ``MAX_LANES`` experts), ``ValueError`` where they are wrong."""
+    ``MAX_LANES`` experts; with ``permute``, more than ``MAX_PERMUTE_ROWS`` rows), ``ValueError``
+    where they are wrong."""
     _check(logits, bias, cfg)
+    if permute:
+        _check_permute_rows(logits.shape[0])
+
+
+def _permutation_outputs(batch: int, k: int, experts: int, lanes: int):
+    """Output shapes after ids (and weights): order, group sizes, inverse ``[B, K]`` (reshaped by
+    the caller), the workspace, the prefix scratch."""
+    return [
+        jax.ShapeDtypeStruct((batch * k,), jnp.int32),
+        jax.ShapeDtypeStruct((experts,), jnp.int32),
+        jax.ShapeDtypeStruct((batch, k), jnp.int32),
+        jax.ShapeDtypeStruct(workspace_shape(batch, lanes), jnp.int32),
+        jax.ShapeDtypeStruct((lanes * permute_words(batch),), jnp.int32),
+    ]
 
 
 def route(
@@ -436,7 +619,8 @@ def route(
     *,
     interpret: bool = False,
     config: RouteConfig | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    permute: bool = False,
+) -> tuple[jax.Array, ...]:
     """Exact top-k routing by sigmoid + correction bias (SPEC section 4), one Pallas kernel.
 
     Args:
@@ -445,20 +629,25 @@ def route(
       cfg: supplies ``experts``, ``top_k``, ``routed_scaling_factor`` and ``renormalize``.
       interpret: run in Pallas' interpret mode (any machine).
       config: the schedule; None picks the device's table entry or the heuristic.
+      permute: also write the dispatch order of SPEC section 4.1 in the same launch (the module
+        docstring; static).
 
     Returns:
       ``ids`` ``[B, K]`` int32 (rank 0 the largest key, ties to the lower id, NaN keys lowest; always
-      ``K`` distinct ids in ``[0, E)``) and ``weights`` ``[B, K]`` bfloat16, as ``reference.route``.
+      ``K`` distinct ids in ``[0, E)``) and ``weights`` ``[B, K]`` bfloat16, as ``reference.route``;
+      with ``permute``, then ``order`` ``[B * K]``, ``group_sizes`` ``[E]`` and ``inverse``
+      ``[B * K]`` int32, as ``reference.routing.permutation``.
 
     Raises:
       ValueError: wrong shapes or dtypes, an empty batch.
-      NotImplementedError: more than 4096 experts (use ``backend='xla'``).
+      NotImplementedError: more than 4096 experts, or ``permute`` with more than
+        ``MAX_PERMUTE_ROWS`` rows (use ``backend='xla'``).
 
     Example::
 
       ids, weights = route(logits, params.bias, cfg)
     """
-    _check(logits, bias, cfg)
+    covers(logits, bias, cfg, permute=permute)
     batch, experts = logits.shape
     config = config or pick_config(batch, experts, cfg.top_k)
     if not isinstance(config, RouteConfig):
@@ -475,17 +664,101 @@ def route(
         cfg=cfg,
         block_rows=block_rows,
         widths=widths,
+        permute=permute,
         interpret=interpret,
     )
-    ids, weights = pl.pallas_call(
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, cfg.top_k), jnp.int32),
+        jax.ShapeDtypeStruct((batch, cfg.top_k), jnp.bfloat16),
+    ]
+    inputs, aliases = (logits, bias), {}
+    if permute:
+        out_shape += _permutation_outputs(batch, cfg.top_k, experts, lanes)
+        inputs += (jnp.zeros(workspace_shape(batch, lanes), jnp.int32),)
+        aliases = {2: 5}
+    outs = pl.pallas_call(
         kernel,
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, cfg.top_k), jnp.int32),
-            jax.ShapeDtypeStruct((batch, cfg.top_k), jnp.bfloat16),
-        ],
+        out_shape=out_shape,
         grid=(pl.cdiv(batch, block_rows),),
+        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
         name="route",
-    )(logits, bias)
-    return ids, weights
+    )(*inputs)
+    if not permute:
+        return tuple(outs)
+    ids, weights, order, sizes, inverse, _, _ = outs
+    return ids, weights, order, sizes, inverse.reshape(-1)
+
+
+def _check_ids(ids, cfg) -> None:
+    if not isinstance(cfg, FrontConfig):
+        raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
+    shape = getattr(ids, "shape", None)
+    if shape is None or len(shape) != 2 or shape[1] != cfg.top_k or ids.dtype != jnp.int32:
+        raise ValueError(
+            f"ids must be [B, top_k={cfg.top_k}] int32, got {shape} {getattr(ids, 'dtype', None)}")
+    if shape[0] == 0:
+        raise ValueError(f"ids is an empty batch (shape {tuple(shape)}); B must be >= 1")
+
+
+def covers_permutation(ids, cfg) -> None:
+    """``permutation``'s ``covers``: ``NotImplementedError`` past ``MAX_LANES`` experts or
+    ``MAX_PERMUTE_ROWS`` rows, ``ValueError`` for ids that are not ``[B, K]`` int32."""
+    _check_ids(ids, cfg)
+    if next_power_of_2(cfg.experts) > MAX_LANES:
+        raise NotImplementedError(
+            f"the permutation kernel holds up to {MAX_LANES} experts, got experts={cfg.experts}; "
+            "use backend='xla'")
+    _check_permute_rows(ids.shape[0])
+
+
+def _permute_kernel(ids_ref, _, order_ref, sizes_ref, inverse_ref, ws_ref, prefix_ref, *, batch,
+                    experts, lanes, k, slots, block, interpret):
+    first = pl.program_id(0) * block
+    rows = first + lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+    slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
+    ok = (rows < batch) & (slot < k)
+    mask = None if batch % block == 0 and slots == k else ok
+    ids = plgpu.load(ids_ref.at[pl.ds(first, block), pl.ds(0, slots)], mask=mask,
+                     other=None if mask is None else 0)
+    mark_tokens(ws_ref, ids, rows, ok, lanes=lanes, interpret=interpret)
+    arrive(ws_ref, batch=batch, lanes=lanes, programs=pl.cdiv(batch, block), interpret=interpret,
+           finish=functools.partial(
+               finish_permutation, ids_ref, ws_ref, prefix_ref, order_ref, sizes_ref, inverse_ref,
+               batch=batch, experts=experts, lanes=lanes, k=k, slots=slots, interpret=interpret))
+
+
+def permutation(ids: jax.Array, cfg: FrontConfig, *, interpret: bool = False) -> tuple[jax.Array, ...]:
+    """The dispatch order of SPEC section 4.1 from given ids, one Pallas kernel (the module
+    docstring's three steps; the ids that ``route_collect`` writes).
+
+    Args:
+      ids: ``[B, K]`` int32 experts in ``[0, E)``, each row's distinct (routing's output).
+      cfg: supplies ``experts`` and ``top_k``.
+      interpret: run in Pallas' interpret mode (any machine).
+
+    Returns:
+      ``order`` ``[B * K]``, ``group_sizes`` ``[E]`` and ``inverse`` ``[B * K]`` int32, as
+      ``reference.routing.permutation``.
+
+    Raises:
+      ValueError: ids not ``[B, K]`` int32, an empty batch.
+      NotImplementedError: more than ``MAX_PERMUTE_ROWS`` rows or ``MAX_LANES`` experts.
+    """
+    covers_permutation(ids, cfg)
+    batch, k = ids.shape
+    lanes = next_power_of_2(cfg.experts)
+    block = min(PERMUTE_BLOCK, next_power_of_2(batch))
+    kernel = functools.partial(_permute_kernel, batch=batch, experts=cfg.experts, lanes=lanes, k=k,
+                               slots=next_power_of_2(k), block=block, interpret=interpret)
+    order, sizes, inverse, _, _ = pl.pallas_call(
+        kernel,
+        out_shape=_permutation_outputs(batch, k, cfg.experts, lanes),
+        grid=(pl.cdiv(batch, block),),
+        input_output_aliases={1: 3},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        name="route_permutation",
+    )(ids, jnp.zeros(workspace_shape(batch, lanes), jnp.int32))
+    return order, sizes, inverse.reshape(-1)
