@@ -445,12 +445,12 @@ def test_gpu_front_matches_float64(tp):
             err = np.abs(np.asarray(latent.astype(jnp.float32), np.float64) - y[:, split:])
             mag = np.maximum(np.abs(y), np.sqrt((y**2).mean(axis=1, keepdims=True)))[:, split:]
             assert (err <= oracle.bf16_ulp(mag)).all(), (tp, batch)
-        # hidden against situ of XLA's gate and up on the same device: equal but where a float32
-        # summation order moves a bfloat16 rounding (rare), and there within 1e-2.
         _, latent, planned, _ = planned_front(x, params.packed, params.gate_up)
         want = jax.jit(reference.mxfp8_plan)(latent)  # the reference's plan on the same device
         for got, ref in zip(plan_bytes(planned), plan_bytes(want)):
             np.testing.assert_array_equal(got, ref)
+        # hidden against situ of XLA's gate and up on the same device: equal but where a float32
+        # summation order moves a bfloat16 rounding (rare), and there within 1e-2.
         hidden = np.asarray(merged(x, params.packed, params.gate_up)[3], np.float32)
         h = jnp.dot(x, params.gate_up.T, preferred_element_type=jnp.float32)
         s_r = cfg.shared_per_rank
@@ -477,17 +477,26 @@ def test_gpu_front_matches_float64(tp):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [1, 8])
 def test_gpu_down_matches_float64(tp):
-    """The down in bfloat16 within one ulp (float32 summation order) and the float32 partial within
-    1e-5 of float64; exact data exact."""
+    """The down in bfloat16 within one ulp and the float32 partial within 1e-4 of float64 (its one
+    accumulation chain over S_r is not cut as the logits' is: the SPEC bounds only the logits);
+    exact data exact."""
     cfg = K3.with_tp(tp)
     params = mf.pack_params(k3_weights(), cfg)
-    for batch in (1, 8, 64):
+    down32 = jax.jit(lambda h, d: ek.down(h, d, jnp.float32))
+    down16 = jax.jit(lambda h, d: ek.down(h, d))
+    for batch in (1, 8, 37, 64):
         hidden = jax.random.normal(jax.random.key(batch), (batch, cfg.shared_per_rank))
         hidden = hidden.astype(jnp.bfloat16)
         y = product(hidden, params.down)
-        out32 = jax.jit(lambda h, d: ek.down(h, d, jnp.float32))(hidden, params.down)
-        assert close_to_float64(out32, y, 1e-5), (tp, batch)
-        out16 = jax.jit(lambda h, d: ek.down(h, d))(hidden, params.down)
+        assert close_to_float64(down32(hidden, params.down), y, 1e-4), (tp, batch)
         mag = np.maximum(np.abs(y), np.sqrt((y**2).mean(axis=1, keepdims=True)))
-        err = np.abs(np.asarray(out16.astype(jnp.float32), np.float64) - y)
+        err = np.abs(np.asarray(down16(hidden, params.down).astype(jnp.float32), np.float64) - y)
         assert (err <= oracle.bf16_ulp(mag)).all(), (tp, batch)
+
+        rng = np.random.default_rng(batch)
+        he = jnp.asarray(rng.integers(-3, 4, (batch, cfg.shared_per_rank)), jnp.bfloat16)
+        de = jnp.asarray(exact_rows(rng, K3.hidden, cfg.shared_per_rank, -12, 12), jnp.bfloat16)
+        ye = product(he, de)
+        np.testing.assert_array_equal(np.asarray(down32(he, de)), ye.astype(np.float32))
+        np.testing.assert_array_equal(bits(down16(he, de)),
+                                      ye.astype(ml_dtypes.bfloat16).view(np.uint16))
