@@ -20,12 +20,9 @@ $OUT/bench_front.png where matplotlib is installed.
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import jax
@@ -35,8 +32,12 @@ import numpy as np
 import moe_front_jax as mf
 import timing
 from moe_front_jax import dispatch
+from moe_front_jax.pallas import engine
 
-BACKENDS = ("xla", "auto", "pallas")
+BACKENDS = ("xla", "auto", "pallas", "engine")
+"""``engine``: the streaming engine's merged front (``pallas.engine.front_gate_up``: router, latent,
+plan and the shared expert's gate/up in one launch), the routing kernel and the engine's down; not
+yet behind ``moe_front``'s backends (B <= 64)."""
 
 
 def weight_bytes(cfg: mf.FrontConfig) -> int:
@@ -67,29 +68,29 @@ def rank_layer(x, params: mf.FrontParams, backend: str):
     return ids, weights, latent, logits, shared, plan
 
 
+def engine_layer(x, params: mf.FrontParams):
+    """One layer on the streaming engine: two engine launches and the routing kernel."""
+    cfg = params.cfg
+    backend = "pallas" if dispatch.on_gpu() else "interpret"
+    interpret = backend == "interpret"
+    logits, latent, plan, hidden = engine.front_gate_up(
+        x, params.packed, params.split, cfg.experts_per_rank, params.gate_up, cfg, plan=True,
+        interpret=interpret)
+    if cfg.tp > 1:  # stand-ins for the exchange's gathered rows (module docstring)
+        logits, latent = jnp.tile(logits, (1, cfg.tp)), jnp.tile(latent, (1, cfg.tp))
+        plan = tuple(jnp.tile(part, (1, cfg.tp)) for part in plan)
+    ids, weights = dispatch.run("route", backend, logits, params.bias, cfg)
+    out_dtype = jnp.bfloat16 if cfg.tp == 1 else jnp.float32
+    shared = engine.down(hidden, params.down, out_dtype, interpret=interpret)
+    return ids, weights, latent, logits, shared, plan
+
+
 def layer(backend: str, tp: int):
+    if backend == "engine":
+        return engine_layer
     if tp == 1:
         return lambda x, params: mf.moe_front(x, params, plan=True, backend=backend)
     return lambda x, params: rank_layer(x, params, backend)
-
-
-def program_spans(run, kernels: int, programs: int) -> list[float]:
-    """Spans in microseconds (first kernel start to last kernel end) of the programs of ``kernels``
-    kernels each whose kernels a profiler trace of ``programs`` runs of ``run`` kept whole."""
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir):
-            for _ in range(programs):
-                jax.block_until_ready(run())
-        trace_file, = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz"))
-        with gzip.open(trace_file) as f:
-            events = json.load(f)["traceEvents"]
-    streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
-               and e.get("name") == "thread_name"
-               and e.get("args", {}).get("name", "").startswith("Stream")}
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
-    whole = len(spans) - len(spans) % kernels
-    return [spans[at + kernels - 1][1] - spans[at][0] for at in range(0, whole, kernels)]
 
 
 def read_ceiling_tbs() -> float:
@@ -107,33 +108,41 @@ def measure(backend: str, tp: int, batch: int, params, calls: int) -> dict:
     start = time.perf_counter()
     program = timing.chain_program(layer(backend, tp), xs, params)  # compiled and run once
     compile_s = time.perf_counter() - start
-    per_kernel = timing.cupti_us_per_kernel(lambda *_: program(), None, [None] * calls, rounds=1)
-    cupti = statistics.median(map(sum, zip(*per_kernel.values())))
+    # One program per CUPTI window: a window of several programs' kernels overflowed CUPTI's
+    # buffer on an H100 (2026-12-06: "activity records were dropped").
+    sums, names = [], []
+    for _ in range(calls):
+        per_kernel = timing.cupti_us_per_kernel(lambda *_: program(), None, [None], rounds=1)
+        sums.append(sum(times[0] for times in per_kernel.values()))
+        names = list(per_kernel)
     walls = []
     for _ in range(calls):
         start = time.perf_counter()
         jax.block_until_ready(program())
         walls.append(time.perf_counter() - start)
-    spans = program_spans(program, len(per_kernel), calls)
+    traced = dict(kernels=names[: len(names) // layers])
+    timing.span(traced, program, programs=calls)
+    spans = [max(s + d for _, s, d in one) for one in traced.get("timeline", [])]
     return dict(
         backend=backend, tp=tp, batch=batch, layers=layers, compile_s=round(compile_s, 1),
-        kernels_per_layer=len(per_kernel) / layers,
-        cupti_us=cupti / layers,
+        kernels_per_layer=len(names) / layers,
+        cupti_us=statistics.median(sums) / layers,
         span_us=statistics.median(spans) / layers if spans else None,
+        span_error=traced.get("span_error"),
         programs_traced=len(spans),
         wall_us=statistics.median(walls) * 1e6 / layers,
-        kernels=list(per_kernel),
+        kernels=names[: len(names) // layers],
     )
 
 
 def check(tp: int, batch: int) -> None:
     """On any machine: one small layer of each backend (``pallas`` in interpret mode off a GPU)
     gives the reference's ids, weights and plan."""
-    cfg = mf.FrontConfig(hidden=256, experts=64, top_k=8, latent=256, shared=128).with_tp(tp)
+    cfg = mf.FrontConfig(hidden=256, experts=64, top_k=8, latent=256, shared=256).with_tp(tp)
     params = layer_params(cfg, 2)
     xs = [timing.rows(batch, cfg.hidden, seed=i) for i in range(2)]
     want = timing.chain_program(layer("xla", tp), xs, params)()
-    for backend in ("auto", "pallas" if dispatch.on_gpu() else "interpret"):
+    for backend in ("auto", "pallas" if dispatch.on_gpu() else "interpret", "engine"):
         got = timing.chain_program(layer(backend, tp), xs, params)()
         for one, ref in zip(got, want):
             for field in (0, 1):  # ids, weights
@@ -178,7 +187,8 @@ def main() -> None:
                         help="tp1's batches; tp > 1 runs --rank-batches")
     parser.add_argument("--rank-batches", default="1,8,64")
     parser.add_argument("--backends", default=",".join(BACKENDS))
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--layers", type=int, default=timing.CHAIN,
+                        help="layers per program (the trace parser takes timing.CHAIN)")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--check", action="store_true",
                         help="only check, small shapes, on any machine (interpret mode off a GPU)")
@@ -198,6 +208,8 @@ def main() -> None:
         batches = args.batches if tp == 1 else args.rank_batches
         for batch in (int(b) for b in batches.split(",")):
             for backend in args.backends.split(","):
+                if backend == "engine" and batch > 64:
+                    continue  # the engine covers B <= 64
                 row = measure(backend, tp, batch, params, args.calls)
                 row.update(floor_us=floor, weight_bytes=weight_bytes(cfg))
                 rows.append(row)
