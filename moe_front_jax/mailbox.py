@@ -346,7 +346,8 @@ def exchange(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("axis_name", "backend", "transport", "plan"), donate_argnames="mailbox"
+    jax.jit, static_argnames=("axis_name", "backend", "transport", "plan", "permute"),
+    donate_argnames="mailbox",
 )
 def exchange_route(
     mailbox: Mailbox,
@@ -358,36 +359,43 @@ def exchange_route(
     backend: str = "auto",
     transport: str = "gather",
     plan: bool = False,
+    permute: bool = False,
 ) -> tuple:
     """``exchange``, then the routing of SPEC section 4 over the collected logits (and, with ``plan``,
-    the MXFP8 plan of the collected latent, SPEC section 5).
+    the MXFP8 plan of the collected latent, SPEC section 5; with ``permute``, the dispatch order of
+    SPEC section 4.1).
 
     With ``plan``, where ``dispatch`` runs the routing kernel that polls the mailbox
     (``route_collect``: collect, route and plan in one launch), that kernel collects; otherwise the
     collect, routing and plan stages run one after the other (without the plan the separate kernels
-    measured faster: docs/findings.md). The outputs are the same bits either way.
+    measured faster: docs/findings.md). The outputs are the same bits either way. With ``permute``
+    the routing kernel writes the order in its launch; after ``route_collect`` the stage
+    ``permute`` computes it from the ids (the standalone kernel where it runs).
 
     Args:
       mailbox, logits, latent_shard, axis_name, backend, transport: as for ``exchange``.
       bias: ``[E]`` float32 correction bias.
       plan: also return the plan.
+      permute: also return the dispatch order.
 
     Returns:
       ``(ids [B, K] int32, weights [B, K] bfloat16, logits [B, E] float32, latent [B, L] bfloat16,
-      plan, status int32 scalar, mailbox)``; ``plan`` is ``(values [B, L] float8_e4m3fn, scales
-      [B, L / plan_block] float8_e8m0fnu)``, or None without ``plan``.
+      plan, status int32 scalar, dispatch, mailbox)``; ``plan`` is ``(values [B, L] float8_e4m3fn,
+      scales [B, L / plan_block] float8_e8m0fnu)``, or None without ``plan``; ``dispatch`` is
+      ``(order [B * K], group_sizes [E], inverse [B * K])`` int32 (``api.Dispatch``'s fields), or
+      None without ``permute``.
 
     Raises:
       As ``exchange``; a wrong bias is a ValueError.
     """
     batch = _check_exchange(mailbox, logits, latent_shard, axis_name, transport)
     mailbox, status = _publish_all(mailbox, logits, latent_shard, axis_name, backend, transport)
-    return _route_published(mailbox, status, bias, batch, backend, plan)
+    return _route_published(mailbox, status, bias, batch, backend, plan, permute)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("split", "valid", "backend", "plan", "plan_block"),
+    static_argnames=("split", "valid", "backend", "plan", "plan_block", "permute"),
     donate_argnames="mailbox",
 )
 def gemm_exchange_route(
@@ -401,6 +409,7 @@ def gemm_exchange_route(
     backend: str = "auto",
     plan: bool = False,
     plan_block: int | None = None,
+    permute: bool = False,
 ) -> tuple:
     """``exchange_route`` at tp = 1 with the publish done by the front GEMM's stage
     ``front_gemm_publish``: where its kernel runs, the logits and latent go from the GEMM's
@@ -409,7 +418,7 @@ def gemm_exchange_route(
     Args:
       mailbox: the ``Mailbox`` (tp = 1, armed).
       x, packed, split, valid: ``front_gemm``'s arguments.
-      bias, backend, plan: as for ``exchange_route``.
+      bias, backend, plan, permute: as for ``exchange_route``.
       plan_block: multiply with ``front_gemm_plan``'s schedule for this block rather than
         ``front_gemm``'s: the one the direct path runs, so that both paths give the same bits.
 
@@ -425,12 +434,13 @@ def gemm_exchange_route(
     buffer, control, tickets, status = dispatch.run("front_gemm_publish", backend, *args,
                                                     plan_block=plan_block)
     mailbox = _with(mailbox, buffer, control, tickets)
-    return _route_published(mailbox, status, bias, x.shape[0], backend, plan)
+    return _route_published(mailbox, status, bias, x.shape[0], backend, plan, permute)
 
 
-def _route_published(mailbox: Mailbox, status, bias, batch: int, backend: str, plan: bool) -> tuple:
-    """``exchange_route`` after the publish: ``route_collect`` where its kernel runs, else collect,
-    route and plan."""
+def _route_published(mailbox: Mailbox, status, bias, batch: int, backend: str, plan: bool,
+                     permute: bool) -> tuple:
+    """``exchange_route`` after the publish: ``route_collect`` (then the stage ``permute`` over its
+    ids) where its kernel runs, else collect, route (with the order) and plan."""
     cfg = mailbox.cfg
     args = (*_arrays(mailbox), status, bias, batch, cfg)
     try:  # a plan the fused kernel does not write (plan_block 1) takes the separate kernels
@@ -438,9 +448,15 @@ def _route_published(mailbox: Mailbox, status, bias, batch: int, backend: str, p
     except NotImplementedError:
         fused = False
     if fused:
-        *out, status, buffer, control = dispatch.run("route_collect", backend, *args, with_plan=True)
-        return (*out, status, _with(mailbox, buffer, control))
+        ids, *out, status, buffer, control = dispatch.run("route_collect", backend, *args,
+                                                          with_plan=True)
+        dispatched = tuple(dispatch.run("permute", backend, ids, cfg)) if permute else None
+        return (ids, *out, status, dispatched, _with(mailbox, buffer, control))
     logits, latent, status, mailbox = _collect(mailbox, status, batch, backend)
-    ids, weights = dispatch.run("route", backend, logits, bias, cfg)
+    if permute:
+        ids, weights, *dispatched = dispatch.run("route", backend, logits, bias, cfg, permute=True)
+        dispatched = tuple(dispatched)
+    else:
+        (ids, weights), dispatched = dispatch.run("route", backend, logits, bias, cfg), None
     planned = dispatch.run("plan", backend, latent, cfg.plan_block) if plan else None
-    return ids, weights, logits, latent, planned, status, mailbox
+    return ids, weights, logits, latent, planned, status, dispatched, mailbox
