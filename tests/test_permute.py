@@ -14,14 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 import moe_front_jax as mf
 from moe_front_jax import dispatch, reference
 from moe_front_jax.reference import routing as reference_routing
 from moe_front_jax.api import Dispatch
 from moe_front_jax.pallas.route import kernel as rt
-from h200 import lower_for_h200, triton_ir_for_h200
+from h200 import H200, lower_for_h200, triton_ir_for_h200
 
 K3 = mf.KIMI_K3
 CONFIGS = {
@@ -181,8 +181,13 @@ def test_largest_covered_batch_and_past_it():
     bias = jnp.zeros((cfg.experts,), jnp.float32)
     with pytest.raises(NotImplementedError, match="dispatch order of up to 1024 rows"):
         rt.route(logits, bias, cfg, permute=True)
-    # "auto" falls through to the reference; the ids without the order still take the kernel.
-    assert not dispatch.choose("route", "auto", logits, bias, cfg, permute=True).kernel
+    # On an H200 "auto" falls through to the reference past the limit, and takes the kernel below.
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H200)):
+        assert not dispatch.choose("route", "auto", logits, bias, cfg, permute=True).kernel
+        assert dispatch.choose("route", "auto", logits, bias, cfg).kernel
+        assert dispatch.choose("route", "auto", logits[:1024], bias, cfg, permute=True).kernel
+        assert dispatch.choose("permute", "auto", past[:1024], cfg).kernel
+        assert not dispatch.choose("permute", "auto", past, cfg).kernel
     assert rt.permute_bytes(256, 896, 16) == 16 * 1024 * 8 + 24 * 4096 + 4 * 896 + 8
 
 
