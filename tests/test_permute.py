@@ -182,11 +182,12 @@ def test_largest_covered_batch_and_past_it():
     with pytest.raises(NotImplementedError, match="dispatch order of up to 1024 rows"):
         rt.route(logits, bias, cfg, permute=True)
     # On an H200 "auto" falls through to the reference past the limit, and takes the kernel below.
+    covered_logits, covered_ids = logits[:rt.MAX_PERMUTE_ROWS], past[:rt.MAX_PERMUTE_ROWS]
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H200)):
         assert not dispatch.choose("route", "auto", logits, bias, cfg, permute=True).kernel
         assert dispatch.choose("route", "auto", logits, bias, cfg).kernel
-        assert dispatch.choose("route", "auto", logits[:1024], bias, cfg, permute=True).kernel
-        assert dispatch.choose("permute", "auto", past[:1024], cfg).kernel
+        assert dispatch.choose("route", "auto", covered_logits, bias, cfg, permute=True).kernel
+        assert dispatch.choose("permute", "auto", covered_ids, cfg).kernel
         assert not dispatch.choose("permute", "auto", past, cfg).kernel
     assert rt.permute_bytes(256, 896, 16) == 16 * 1024 * 8 + 24 * 4096 + 4 * 896 + 8
 
