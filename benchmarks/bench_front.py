@@ -31,7 +31,7 @@ import numpy as np
 
 import moe_front_jax as mf
 import timing
-from moe_front_jax import dispatch
+from moe_front_jax import registry
 from moe_front_jax.pallas import engine
 
 BACKENDS = ("xla", "auto", "pallas", "engine")
@@ -59,19 +59,19 @@ def layer_params(cfg: mf.FrontConfig, layers: int) -> list[mf.FrontParams]:
 def rank_layer(x, params: mf.FrontParams, backend: str):
     """One rank's layer at ``params.cfg.tp > 1``, the exchange left out (module docstring)."""
     cfg = params.cfg
-    logits, latent = dispatch.run("front_gemm", backend, x, params.packed, params.split,
+    logits, latent = registry.run("front_gemm", backend, x, params.packed, params.split,
                                   cfg.experts_per_rank)
     logits, latent = jnp.tile(logits, (1, cfg.tp)), jnp.tile(latent, (1, cfg.tp))
-    ids, weights = dispatch.run("route", backend, logits, params.bias, cfg)
-    plan = dispatch.run("plan", backend, latent, cfg.plan_block)
-    shared = dispatch.run("shared_expert", backend, x, params.gate_up, params.down, cfg, jnp.float32)
+    ids, weights = registry.run("route", backend, logits, params.bias, cfg)
+    plan = registry.run("plan", backend, latent, cfg.plan_block)
+    shared = registry.run("shared_expert", backend, x, params.gate_up, params.down, cfg, jnp.float32)
     return ids, weights, latent, logits, shared, plan
 
 
 def engine_layer(x, params: mf.FrontParams):
     """One layer on the streaming engine: two engine launches and the routing kernel."""
     cfg = params.cfg
-    backend = "pallas" if dispatch.on_gpu() else "interpret"
+    backend = "pallas" if registry.on_gpu() else "interpret"
     interpret = backend == "interpret"
     logits, latent, plan, hidden = engine.front_gate_up(
         x, params.packed, params.split, cfg.experts_per_rank, params.gate_up, cfg, plan=True,
@@ -79,7 +79,7 @@ def engine_layer(x, params: mf.FrontParams):
     if cfg.tp > 1:  # stand-ins for the exchange's gathered rows (module docstring)
         logits, latent = jnp.tile(logits, (1, cfg.tp)), jnp.tile(latent, (1, cfg.tp))
         plan = tuple(jnp.tile(part, (1, cfg.tp)) for part in plan)
-    ids, weights = dispatch.run("route", backend, logits, params.bias, cfg)
+    ids, weights = registry.run("route", backend, logits, params.bias, cfg)
     out_dtype = jnp.bfloat16 if cfg.tp == 1 else jnp.float32
     shared = engine.down(hidden, params.down, out_dtype, interpret=interpret)
     return ids, weights, latent, logits, shared, plan
@@ -142,7 +142,7 @@ def check(tp: int, batch: int) -> None:
     params = layer_params(cfg, 2)
     xs = [timing.rows(batch, cfg.hidden, seed=i) for i in range(2)]
     want = timing.chain_program(layer("xla", tp), xs, params)()
-    for backend in ("auto", "pallas" if dispatch.on_gpu() else "interpret", "engine"):
+    for backend in ("auto", "pallas" if registry.on_gpu() else "interpret", "engine"):
         got = timing.chain_program(layer(backend, tp), xs, params)()
         for one, ref in zip(got, want):
             for field in (0, 1):  # ids, weights

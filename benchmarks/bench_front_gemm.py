@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import moe_front_jax as mf
-from moe_front_jax import dispatch, reference
+from moe_front_jax import registry, reference
 from moe_front_jax.pallas import front_gemm as fg
 from timing import (
     READ_CEILING_TBS, FrontShape, cupti_us_per_call, decode_rows, packed_weights, tbs, xla_dot,
@@ -90,7 +90,7 @@ def main() -> None:
     weights = weights.get(1) or packed_weights(shape)
     bias = jax.random.uniform(jax.random.key(3), (cfg.experts,), jnp.float32, -0.05, 0.05)
     example = jnp.zeros((1, cfg.experts), jnp.float32)
-    route_name = ("the routing kernel" if dispatch.choose("route", "auto", example, bias, cfg).kernel
+    route_name = ("the routing kernel" if registry.choose("route", "auto", example, bias, cfg).kernel
                   else "the XLA reference")
     fronts = []
     for batch in batches:
@@ -98,7 +98,7 @@ def main() -> None:
 
         def front(x, w):
             logits, latent = fg.front_gemm(x, w, shape.split, shape.valid)
-            ids, weights_ = dispatch.run("route", "auto", logits, bias, cfg)
+            ids, weights_ = registry.run("route", "auto", logits, bias, cfg)
             return ids, weights_, latent
 
         gemm_us = next(r["us"] for r in rows if r["tp"] == 1 and r["batch"] == batch) if any(

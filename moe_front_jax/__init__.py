@@ -28,6 +28,7 @@ import importlib
 # (``moe_front_jax.pallas.route``) then loads only what it needs, not Flax or safetensors.
 _PUBLIC = {
     "KIMI_K3": "moe_front_jax.config",
+    "Dispatch": "moe_front_jax.api",
     "FrontConfig": "moe_front_jax.config",
     "FrontOutput": "moe_front_jax.api",
     "FrontParams": "moe_front_jax.params",

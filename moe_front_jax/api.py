@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_front_jax import dispatch, parallel
+from moe_front_jax import registry, parallel
 from moe_front_jax import mailbox as mailboxes
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import FrontParams, check_param_arrays
@@ -35,9 +35,9 @@ class Dispatch(NamedTuple):
 
     Example::
 
-      rows = latent[dispatch.order // K]                          # [B * K, L], grouped by expert
-      h = jax.lax.ragged_dot(rows, w, dispatch.group_sizes)       # w: [E, L, N]
-      per_slot = h[dispatch.inverse].reshape(B, K, N)             # back to (token, rank)
+      rows = latent[registry.order // K]                          # [B * K, L], grouped by expert
+      h = jax.lax.ragged_dot(rows, w, registry.group_sizes)       # w: [E, L, N]
+      per_slot = h[registry.inverse].reshape(B, K, N)             # back to (token, rank)
     """
 
     order: jax.Array
@@ -188,7 +188,7 @@ def moe_front(
     """
     plan = check_static_bool("plan", plan, "moe_front")
     permute = check_static_bool("permute", permute, "moe_front")
-    dispatch.check_backend(backend)
+    registry.check_backend(backend)
     parallel.check_shared_reduce(shared_reduce)
     options = dict(plan=plan, permute=permute, backend=backend, shared_reduce=shared_reduce)
     if axis_name is None and isinstance(params, FrontParams) and params.mesh is not None:
@@ -216,13 +216,13 @@ def moe_front(
     planned = None
     gemm_args = (x, params.packed, params.split, cfg.experts_per_rank)
     # The front GEMM with the plan in its epilogue, where its kernel runs; else the plan stage after.
-    plan_gemm = plan and dispatch.choose("front_gemm_plan", backend, *gemm_args, cfg.plan_block).kernel
+    plan_gemm = plan and registry.choose("front_gemm_plan", backend, *gemm_args, cfg.plan_block).kernel
     if mailbox is not None:
         # Where the front GEMM's kernel runs, it publishes from its epilogue with the direct path's
         # schedule (so its bits): no publish kernel, no logits or latent written first.
         box = (mailbox.buffer, mailbox.control, mailbox.tickets, cfg)
         block = cfg.plan_block if plan_gemm else None
-        if dispatch.choose("front_gemm_publish", backend, *gemm_args, *box, plan_block=block).kernel:
+        if registry.choose("front_gemm_publish", backend, *gemm_args, *box, plan_block=block).kernel:
             (ids, weights, logits, latent, planned, status, dispatched,
              mailbox) = mailboxes.gemm_exchange_route(
                 mailbox, x, params.packed, params.bias, split=params.split,
@@ -230,22 +230,22 @@ def moe_front(
                 permute=permute,
             )
         else:
-            logits, latent = dispatch.run("front_gemm", backend, *gemm_args)
+            logits, latent = registry.run("front_gemm", backend, *gemm_args)
             ids, weights, logits, latent, planned, status, dispatched, mailbox = (
                 mailboxes.exchange_route(mailbox, logits, latent, params.bias, backend=backend,
                                          plan=plan, permute=permute))
     else:
         if plan_gemm:
-            logits, latent, planned = dispatch.run("front_gemm_plan", backend, *gemm_args,
+            logits, latent, planned = registry.run("front_gemm_plan", backend, *gemm_args,
                                                    cfg.plan_block)
         else:
-            logits, latent = dispatch.run("front_gemm", backend, *gemm_args)
+            logits, latent = registry.run("front_gemm", backend, *gemm_args)
             if plan:
-                planned = dispatch.run("plan", backend, latent, cfg.plan_block)
+                planned = registry.run("plan", backend, latent, cfg.plan_block)
         ids, weights, dispatched = route_stage(logits, params.bias, cfg, backend, permute)
     shared = None
     if params.has_shared:
-        shared = dispatch.run("shared_expert", backend, x, params.gate_up, params.down, cfg,
+        shared = registry.run("shared_expert", backend, x, params.gate_up, params.down, cfg,
                               jnp.bfloat16)
     out = FrontOutput(ids, weights, latent, logits, shared, planned, status,
                       as_dispatch(dispatched))
@@ -255,8 +255,8 @@ def moe_front(
 def route_stage(logits, bias, cfg: FrontConfig, backend: str, permute: bool):
     """The ``route`` stage: ``(ids, weights, (order, group_sizes, inverse) or None)``."""
     if not permute:
-        return (*dispatch.run("route", backend, logits, bias, cfg), None)
-    ids, weights, *dispatched = dispatch.run("route", backend, logits, bias, cfg, permute=True)
+        return (*registry.run("route", backend, logits, bias, cfg), None)
+    ids, weights, *dispatched = registry.run("route", backend, logits, bias, cfg, permute=True)
     return ids, weights, tuple(dispatched)
 
 
@@ -289,7 +289,7 @@ def route(
         a bool.
     """
     permute = check_static_bool("permute", permute, "route")
-    dispatch.check_backend(backend)
+    registry.check_backend(backend)
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
     check_batch("logits", logits, "experts", cfg.experts, jnp.float32)

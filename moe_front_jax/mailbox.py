@@ -2,7 +2,7 @@
 
 A mailbox row per token carries every tensor-parallel rank's logits and latent shard (SPEC section 7;
 the layout and the plain-JAX protocol are ``moe_front_jax.reference.mailbox``). Each implementation is
-asked of ``dispatch``: the jax-triton publish and collect (``bridge.triton_mailbox``), the front GEMM
+asked of ``registry``: the jax-triton publish and collect (``bridge.triton_mailbox``), the front GEMM
 publishing from its epilogue (tp = 1), the routing kernel polling the rows itself (with the plan), the
 peer-store publish across GPUs (``bridge.peer_mailbox``), or the plain-JAX protocol.
 
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from moe_front_jax import dispatch
+from moe_front_jax import registry
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.pallas.front_gemm import ticket_count
 from moe_front_jax.reference.mailbox import CONTROL_WORDS, TIMEOUT, armed_row, row_words
@@ -207,7 +207,7 @@ def publish(
     if isinstance(rank, int) and not 0 <= rank < cfg.tp:
         raise ValueError(f"rank must be in [0, tp={cfg.tp}), got {rank}")
     args = (*_arrays(mailbox), logits, latent_shard, rank, cfg)
-    buffer, control, _ = dispatch.run("mailbox_publish", backend, *args)
+    buffer, control, _ = registry.run("mailbox_publish", backend, *args)
     return _with(mailbox, buffer, control)
 
 
@@ -240,13 +240,13 @@ def runs_kernels(mailbox: Mailbox, batch: int, backend: str) -> bool:
     """Whether ``backend`` collects ``batch`` rows of ``mailbox`` with the GPU kernels (then a
     publish across GPUs can be the peer store, ``transport="peer"``)."""
     status = jnp.zeros((), jnp.int32)
-    return dispatch.choose("mailbox_collect", backend, *_arrays(mailbox), status, batch,
+    return registry.choose("mailbox_collect", backend, *_arrays(mailbox), status, batch,
                            mailbox.cfg).kernel
 
 
 def _collect(mailbox: Mailbox, status, batch: int, backend: str):
     args = (*_arrays(mailbox), status, batch, mailbox.cfg)
-    logits, latent, status, buffer, control = dispatch.run("mailbox_collect", backend, *args)
+    logits, latent, status, buffer, control = registry.run("mailbox_collect", backend, *args)
     return logits, latent, status, _with(mailbox, buffer, control)
 
 
@@ -283,7 +283,7 @@ def _publish_all(mailbox: Mailbox, logits, latent_shard, axis_name, backend: str
         if not runs_kernels(mailbox, logits.shape[0], backend):
             raise NotImplementedError(
                 f"transport='peer' stores through GPU peer pointers and needs the GPU kernels, got "
-                f"backend={backend!r} on {dispatch.target_platform()}; use transport='gather'"
+                f"backend={backend!r} on {registry.target_platform()}; use transport='gather'"
             )
         from moe_front_jax.bridge import peer_mailbox
 
@@ -299,7 +299,7 @@ def _publish_all(mailbox: Mailbox, logits, latent_shard, axis_name, backend: str
     status = jnp.zeros((), jnp.int32)
     for rank, (rank_logits, rank_latent) in enumerate(every):
         args = (*_arrays(mailbox), rank_logits, rank_latent, rank, cfg)
-        buffer, control, status = dispatch.run("mailbox_publish", backend, *args)
+        buffer, control, status = registry.run("mailbox_publish", backend, *args)
         mailbox = _with(mailbox, buffer, control)
     return mailbox, status
 
@@ -365,7 +365,7 @@ def exchange_route(
     the MXFP8 plan of the collected latent, SPEC section 5; with ``permute``, the dispatch order of
     SPEC section 4.1).
 
-    With ``plan``, where ``dispatch`` runs the routing kernel that polls the mailbox
+    With ``plan``, where ``registry`` runs the routing kernel that polls the mailbox
     (``route_collect``: collect, route and plan in one launch), that kernel collects; otherwise the
     collect, routing and plan stages run one after the other (without the plan the separate kernels
     measured faster: docs/findings.md). The outputs are the same bits either way. With ``permute``
@@ -431,7 +431,7 @@ def gemm_exchange_route(
     cfg = mailbox_config(mailbox)
     check_mailbox(mailbox, cfg, x.shape[0])
     args = (x, packed, split, valid, mailbox.buffer, mailbox.control, mailbox.tickets, cfg)
-    buffer, control, tickets, status = dispatch.run("front_gemm_publish", backend, *args,
+    buffer, control, tickets, status = registry.run("front_gemm_publish", backend, *args,
                                                     plan_block=plan_block)
     mailbox = _with(mailbox, buffer, control, tickets)
     return _route_published(mailbox, status, bias, x.shape[0], backend, plan, permute)
@@ -444,19 +444,19 @@ def _route_published(mailbox: Mailbox, status, bias, batch: int, backend: str, p
     cfg = mailbox.cfg
     args = (*_arrays(mailbox), status, bias, batch, cfg)
     try:  # a plan the fused kernel does not write (plan_block 1) takes the separate kernels
-        fused = plan and dispatch.choose("route_collect", backend, *args, with_plan=True).kernel
+        fused = plan and registry.choose("route_collect", backend, *args, with_plan=True).kernel
     except NotImplementedError:
         fused = False
     if fused:
-        ids, *out, status, buffer, control = dispatch.run("route_collect", backend, *args,
+        ids, *out, status, buffer, control = registry.run("route_collect", backend, *args,
                                                           with_plan=True)
-        dispatched = tuple(dispatch.run("permute", backend, ids, cfg)) if permute else None
+        dispatched = tuple(registry.run("permute", backend, ids, cfg)) if permute else None
         return (ids, *out, status, dispatched, _with(mailbox, buffer, control))
     logits, latent, status, mailbox = _collect(mailbox, status, batch, backend)
     if permute:
-        ids, weights, *dispatched = dispatch.run("route", backend, logits, bias, cfg, permute=True)
+        ids, weights, *dispatched = registry.run("route", backend, logits, bias, cfg, permute=True)
         dispatched = tuple(dispatched)
     else:
-        (ids, weights), dispatched = dispatch.run("route", backend, logits, bias, cfg), None
-    planned = dispatch.run("plan", backend, latent, cfg.plan_block) if plan else None
+        (ids, weights), dispatched = registry.run("route", backend, logits, bias, cfg), None
+    planned = registry.run("plan", backend, latent, cfg.plan_block) if plan else None
     return ids, weights, logits, latent, planned, status, dispatched, mailbox

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 from moe_front_jax import checkpoint, parallel
 from moe_front_jax import params as packing
 from moe_front_jax.api import FrontOutput, moe_front
-from moe_front_jax.dispatch import check_backend
+from moe_front_jax.registry import check_backend
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import FrontParams
 

@@ -27,7 +27,7 @@ from jax import lax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec
 
-from moe_front_jax import dispatch
+from moe_front_jax import registry
 from moe_front_jax import mailbox as mailboxes
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import (
@@ -279,19 +279,19 @@ def rank_front(
             f"tp={cfg.tp}"
         )
     check_scatter(shared_reduce, cfg, tp)
-    logits, latent_shard = dispatch.run("front_gemm", backend, x, params.packed, params.split,
+    logits, latent_shard = registry.run("front_gemm", backend, x, params.packed, params.split,
                                         cfg.experts_per_rank)
     status = jnp.zeros((), jnp.int32)
     if mailbox is None:
         logits, latent = exchange(logits, latent_shard, axis_name)
         dispatched = None
         if permute:
-            ids, weights, *dispatched = dispatch.run("route", backend, logits, params.bias, cfg,
+            ids, weights, *dispatched = registry.run("route", backend, logits, params.bias, cfg,
                                                      permute=True)
             dispatched = tuple(dispatched)
         else:
-            ids, weights = dispatch.run("route", backend, logits, params.bias, cfg)
-        planned = dispatch.run("plan", backend, latent, cfg.plan_block) if plan else None
+            ids, weights = registry.run("route", backend, logits, params.bias, cfg)
+        planned = registry.run("plan", backend, latent, cfg.plan_block) if plan else None
     else:
         transport = "peer" if mailboxes.runs_kernels(mailbox, x.shape[0], backend) else "gather"
         ids, weights, logits, latent, planned, status, dispatched, mailbox = (
@@ -301,7 +301,7 @@ def rank_front(
             ))
     shared = None
     if params.has_shared:
-        partial = dispatch.run("shared_expert", backend, x, params.gate_up, params.down, cfg,
+        partial = registry.run("shared_expert", backend, x, params.gate_up, params.down, cfg,
                                jnp.float32)
         shared = reduce_shared(partial, axis_name, shared_reduce)
     return (ids, weights, latent, logits, shared, planned, status, dispatched), mailbox
@@ -310,7 +310,7 @@ def rank_front(
 def runs_kernels(params: FrontParams, rows: int, backend: str, plan: bool,
                  permute: bool = False) -> bool:
     """Whether ``rank_front`` over ``rows`` rows of one rank's ``params`` runs any Pallas kernel
-    under ``backend`` (``dispatch`` asked with the rank's shapes), rather than only the reference."""
+    under ``backend`` (``registry`` asked with the rank's shapes), rather than only the reference."""
     cfg = params.cfg
 
     def local(*shape, dtype=jnp.bfloat16):
@@ -328,7 +328,7 @@ def runs_kernels(params: FrontParams, rows: int, backend: str, plan: bool,
         asks.append(("shared_expert", (x, local(2 * cfg.shared_per_rank, cfg.hidden),
                                        local(cfg.hidden, cfg.shared_per_rank), cfg, jnp.float32),
                      {}))
-    return any(dispatch.choose(name, backend, *args, **kwargs).kernel
+    return any(registry.choose(name, backend, *args, **kwargs).kernel
                for name, args, kwargs in asks)
 
 

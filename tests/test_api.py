@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import moe_front_jax as mf
-from moe_front_jax import dispatch
+from moe_front_jax import registry
 import oracle
 
 SMALL = mf.FrontConfig(hidden=256, experts=128, top_k=16, latent=128, shared=64)
@@ -269,60 +269,60 @@ def gemm_args(batch, cfg=SMALL):
 
 def test_an_unknown_stage_is_a_value_error():
     with pytest.raises(ValueError, match="unknown stage 'topk'"):
-        dispatch.choose("topk", "xla")
+        registry.choose("topk", "xla")
     with pytest.raises(ValueError, match="unknown stage 'topk'"):
-        dispatch.run("topk", "auto")
+        registry.run("topk", "auto")
 
 
 @pytest.mark.parametrize("on_gpu", [False, True])
 def test_xla_always_runs_the_reference(monkeypatch, on_gpu):
     monkeypatch.setattr(dispatch, "on_gpu", lambda: on_gpu)
-    for name in dispatch.STAGES:
-        assert not dispatch.choose(name, "xla").kernel, name
+    for name in registry.STAGES:
+        assert not registry.choose(name, "xla").kernel, name
     logits, bias = abstract((2, 128), jnp.float32), abstract((128,), jnp.float32)
-    assert not dispatch.choose("route", "xla", logits, bias, SMALL).kernel
-    assert not dispatch.choose("front_gemm", "xla", *gemm_args(2)).kernel
+    assert not registry.choose("route", "xla", logits, bias, SMALL).kernel
+    assert not registry.choose("front_gemm", "xla", *gemm_args(2)).kernel
 
 
 def test_interpret_runs_the_kernels_but_the_mailbox_reference():
     logits, bias = abstract((2, 128), jnp.float32), abstract((128,), jnp.float32)
-    assert dispatch.choose("route", "interpret", logits, bias, SMALL).kernel
-    assert dispatch.choose("front_gemm", "interpret", *gemm_args(2)).kernel
-    assert dispatch.choose("plan", "interpret", abstract((2, 128), jnp.bfloat16), 32).kernel
+    assert registry.choose("route", "interpret", logits, bias, SMALL).kernel
+    assert registry.choose("front_gemm", "interpret", *gemm_args(2)).kernel
+    assert registry.choose("plan", "interpret", abstract((2, 128), jnp.bfloat16), 32).kernel
     # The mailbox's jax-triton publish and collect have no interpret mode: the reference runs.
     for name in ("mailbox_publish", "mailbox_collect"):
-        assert not dispatch.STAGES[name].interprets
-        assert not dispatch.choose(name, "interpret").kernel
-    assert all(stage.interprets for name, stage in dispatch.STAGES.items()
+        assert not registry.STAGES[name].interprets
+        assert not registry.choose(name, "interpret").kernel
+    assert all(stage.interprets for name, stage in registry.STAGES.items()
                if name not in ("mailbox_publish", "mailbox_collect"))
 
 
 def test_auto_falls_through_where_a_kernel_does_not_cover(monkeypatch):
     monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
     # B = 300 rows: more than the front GEMM's and the shared expert's kernels cover.
-    assert not dispatch.choose("front_gemm", "auto", *gemm_args(300)).kernel
+    assert not registry.choose("front_gemm", "auto", *gemm_args(300)).kernel
     with pytest.raises(NotImplementedError, match="B <= 256 rows per call, got B=300"):
-        dispatch.choose("front_gemm", "interpret", *gemm_args(300))
+        registry.choose("front_gemm", "interpret", *gemm_args(300))
     params = small_params()
     shared = (abstract((300, SMALL.hidden), jnp.bfloat16), abstract(params.gate_up.shape, jnp.bfloat16),
               abstract(params.down.shape, jnp.bfloat16), SMALL)
-    assert not dispatch.choose("shared_expert", "auto", *shared).kernel
+    assert not registry.choose("shared_expert", "auto", *shared).kernel
     with pytest.raises(NotImplementedError):
-        dispatch.choose("shared_expert", "interpret", *shared)
+        registry.choose("shared_expert", "interpret", *shared)
     # The routing kernel covers any B, but no more than its lanes' experts.
     wide = mf.FrontConfig(hidden=256, experts=8192, top_k=8, latent=128, shared=0)
     logits, bias = abstract((300, 8192), jnp.float32), abstract((8192,), jnp.float32)
-    assert not dispatch.choose("route", "auto", logits, bias, wide).kernel
+    assert not registry.choose("route", "auto", logits, bias, wide).kernel
     with pytest.raises(NotImplementedError, match="up to 4096 experts"):
-        dispatch.choose("route", "interpret", logits, bias, wide)
+        registry.choose("route", "interpret", logits, bias, wide)
     # A covered request runs the kernel (routing: "auto" always prefers it on a GPU).
     logits, bias = abstract((300, 128), jnp.float32), abstract((128,), jnp.float32)
-    assert dispatch.choose("route", "auto", logits, bias, SMALL).kernel
+    assert registry.choose("route", "auto", logits, bias, SMALL).kernel
 
 
 @pytest.mark.parametrize("call", ["moe_front", "route"])
 def test_pallas_without_a_gpu_suggests_interpret(call):
-    assert not dispatch.on_gpu()
+    assert not registry.on_gpu()
     message = r"backend='pallas' .*use backend='interpret'"
     with pytest.raises(ValueError, match=message):
         if call == "moe_front":

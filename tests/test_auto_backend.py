@@ -1,6 +1,6 @@
 """``backend="auto"`` on a GPU: the GEMM kernels at the shapes where the device's auto table measured
 them faster than XLA's reference stage, the reference elsewhere (lowered for an H200 from the CPU
-host, with ``dispatch.on_gpu`` answering yes); and the shipped table is what
+host, with ``registry.on_gpu`` answering yes); and the shipped table is what
 ``benchmarks/auto_table.py`` makes of the committed benchmark runs it names."""
 
 import json
@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import AbstractMesh
 
 import moe_front_jax as mf
-from moe_front_jax import dispatch
+from moe_front_jax import registry
 from moe_front_jax.params import padded_split
 from moe_front_jax.pallas.front_gemm import kernel as fg
 from moe_front_jax.pallas.shared_expert import triton as se
@@ -35,7 +35,7 @@ AUTO_KINDS = ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
 def kernel_for_h200(name, *args):
     """Whether ``"auto"`` runs stage ``name``'s kernel for these arguments on an H200."""
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H200)):
-        return dispatch.choose(name, "auto", *args).kernel
+        return registry.choose(name, "auto", *args).kernel
 
 
 def auto_entries(stage):
@@ -83,18 +83,18 @@ def test_the_rule_needs_the_margin_in_every_run(monkeypatch):
 
 @pytest.mark.skipif(has_gpu(), reason="checks what auto picks on a machine without a GPU")
 def test_off_the_gpu_auto_is_the_reference():
-    assert not dispatch.on_gpu()
+    assert not registry.on_gpu()
     cfg = K3.with_tp(8)
     valid, shard, s_r = cfg.experts_per_rank, cfg.latent_per_rank, cfg.shared_per_rank
     split = padded_split(valid)
     x = jax.ShapeDtypeStruct((1, K3.hidden), jnp.bfloat16)
     packed = jax.ShapeDtypeStruct((split + shard, K3.hidden), jnp.bfloat16)
     assert auto_entries("front_gemm")[fg.table_key(valid, shard, K3.hidden, 1)]["kernel"]
-    assert not dispatch.choose("front_gemm", "auto", x, packed, split, valid).kernel
+    assert not registry.choose("front_gemm", "auto", x, packed, split, valid).kernel
     gate_up = jax.ShapeDtypeStruct((2 * s_r, K3.hidden), jnp.bfloat16)
     down = jax.ShapeDtypeStruct((K3.hidden, s_r), jnp.bfloat16)
     assert auto_entries("shared_expert")[se.table_key(s_r, K3.hidden, 1)]["kernel"]
-    assert not dispatch.choose("shared_expert", "auto", x, gate_up, down, cfg, jnp.float32).kernel
+    assert not registry.choose("shared_expert", "auto", x, gate_up, down, cfg, jnp.float32).kernel
     assert not device.measured_faster("front_gemm", next(iter(auto_entries("front_gemm"))))
 
 
@@ -108,7 +108,7 @@ def test_auto_front_gemm_is_the_kernel_where_the_table_says(monkeypatch, tp):
     for batch in (1, 3, 8, 16, 32, 256):
         entry = auto_entries("front_gemm").get(fg.table_key(valid, shard, K3.hidden, batch), {})
         x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
-        text = lower_for_h200(lambda x, w: dispatch.run("front_gemm", "auto", x, w, split, valid),
+        text = lower_for_h200(lambda x, w: registry.run("front_gemm", "auto", x, w, split, valid),
                               x, packed)
         want = entry.get("kernel", False)
         assert kernel_for_h200("front_gemm", x, packed, split, valid) == want, (tp, batch)
@@ -128,7 +128,7 @@ def test_auto_shared_expert_is_the_kernels_where_the_table_says(monkeypatch, tp)
         entry = auto_entries("shared_expert").get(se.table_key(s_r, K3.hidden, batch), {})
         x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
         text = lower_for_h200(
-            lambda x, g, d: dispatch.run("shared_expert", "auto", x, g, d, cfg, dtype), x, gate_up, down)
+            lambda x, g, d: registry.run("shared_expert", "auto", x, g, d, cfg, dtype), x, gate_up, down)
         want = entry.get("kernel", False)
         assert kernel_for_h200("shared_expert", x, gate_up, down, cfg, dtype) == want, (tp, batch)
         assert text.count(KERNEL) + text.count(MOSAIC_KERNEL) == (2 if want else 0), (tp, batch)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import moe_front_jax as mf
-from moe_front_jax import dispatch, reference
+from moe_front_jax import registry, reference
 from moe_front_jax import mailbox as mb
 from moe_front_jax.params import padded_split
 from moe_front_jax.pallas.front_gemm import kernel as fg
@@ -153,7 +153,7 @@ def test_interpret_plan_of_non_finite_latent():
 def test_moe_front_takes_the_plan_from_the_gemm_epilogue(monkeypatch):
     calls = []
     # The function the registry names as the stage's kernel, wrapped where the registry loads it.
-    module, name = dispatch.STAGES["front_gemm_plan"].kernel.split(":")
+    module, name = registry.STAGES["front_gemm_plan"].kernel.split(":")
     module = importlib.import_module(module)
     real = getattr(module, name)
 
@@ -162,14 +162,14 @@ def test_moe_front_takes_the_plan_from_the_gemm_epilogue(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, name, spy)
-    dispatch._load.cache_clear()
+    registry._load.cache_clear()
     cfg = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=128, top_k=16, latent=256, shared=0)
     params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg, shared=False), cfg)
     x = jax.random.normal(jax.random.key(1), (5, SMALL_HIDDEN)).astype(jnp.bfloat16)
     try:
         got = jax.jit(lambda x, p: mf.moe_front(x, p, plan=True, backend="interpret"))(x, params)
     finally:
-        dispatch._load.cache_clear()
+        registry._load.cache_clear()
     want = mf.moe_front(x, params, plan=True, backend="xla")
     assert len(calls) == 1
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), rtol=0, atol=1e-5)

@@ -1,9 +1,9 @@
 """The package's import graph: no cycles, and dependencies that point one way.
 
 Layers, top to bottom: the API (``api``, ``parallel``, ``nn``, ``checkpoint``, ``mailbox``), the
-dispatcher (``dispatch``), the kernels (``pallas``, ``bridge``), the base (``config``, ``params``,
+dispatcher (``registry``), the kernels (``pallas``, ``bridge``), the base (``config``, ``params``,
 ``reference``). An edge is any import of a module of the package: a statement at the top of a module
-or inside a function, a ``"module:function"`` or module-path string (what ``dispatch.STAGES`` and
+or inside a function, a ``"module:function"`` or module-path string (what ``registry.STAGES`` and
 the lazy ``moe_front_jax.__init__`` import by ``importlib``).
 """
 
@@ -66,15 +66,15 @@ def edges(known: dict[str, Path]) -> dict[str, set[str]]:
 
 
 def runtime_strings() -> dict[str, set[str]]:
-    """The importlib targets built at run time: ``dispatch.STAGES`` and the lazy public names."""
+    """The importlib targets built at run time: ``registry.STAGES`` and the lazy public names."""
     import moe_front_jax
-    from moe_front_jax import dispatch
+    from moe_front_jax import registry
 
-    targets = {"moe_front_jax.dispatch": set(), "moe_front_jax": set()}
-    for stage in dispatch.STAGES.values():
+    targets = {"moe_front_jax.registry": set(), "moe_front_jax": set()}
+    for stage in registry.STAGES.values():
         for value in (stage.reference, stage.kernel, stage.auto, stage.covers):
             if value and ":" in value:
-                targets["moe_front_jax.dispatch"].add(value.split(":")[0])
+                targets["moe_front_jax.registry"].add(value.split(":")[0])
     for name, module in moe_front_jax._PUBLIC.items():
         targets["moe_front_jax"].add(module or f"moe_front_jax.{name}")
     return targets
@@ -115,9 +115,9 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_walk_sees_every_kind_of_edge(graph):
     # A static import, an import inside a function, and dispatch's importlib strings.
-    assert "moe_front_jax.dispatch" in graph["moe_front_jax.api"]
+    assert "moe_front_jax.registry" in graph["moe_front_jax.api"]
     assert "moe_front_jax.bridge.peer_mailbox" in graph["moe_front_jax.mailbox"]
-    assert "moe_front_jax.pallas.route" in graph["moe_front_jax.dispatch"]
+    assert "moe_front_jax.pallas.route" in graph["moe_front_jax.registry"]
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
 

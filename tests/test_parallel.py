@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import moe_front_jax as mf
 from h200 import H200
 import oracle
-from moe_front_jax import dispatch, parallel, reference
+from moe_front_jax import registry, parallel, reference
 from moe_front_jax.params import BIAS, DOWN, GATE_UP, weight_shapes
 
 CFG = mf.FrontConfig(hidden=256, experts=64, top_k=8, latent=128, shared=128)
@@ -344,8 +344,8 @@ def assert_close_to_unsharded(out, cfg):
 
 KERNEL_STAGES = ("front_gemm", "route", "shared_expert")
 needs_kernels = pytest.mark.skipif(
-    not set(KERNEL_STAGES) <= set(dispatch.STAGES),
-    reason=f"needs Pallas kernels for {KERNEL_STAGES}; dispatch.STAGES has {tuple(dispatch.STAGES)}",
+    not set(KERNEL_STAGES) <= set(registry.STAGES),
+    reason=f"needs Pallas kernels for {KERNEL_STAGES}; registry.STAGES has {tuple(registry.STAGES)}",
 )
 
 

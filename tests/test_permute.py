@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 import moe_front_jax as mf
-from moe_front_jax import dispatch, reference
+from moe_front_jax import registry, reference
 from moe_front_jax.reference import routing as reference_routing
 from moe_front_jax.api import Dispatch
 from moe_front_jax.pallas.route import kernel as rt
@@ -184,11 +184,11 @@ def test_largest_covered_batch_and_past_it():
     # On an H200 "auto" falls through to the reference past the limit, and takes the kernel below.
     covered_logits, covered_ids = logits[:rt.MAX_PERMUTE_ROWS], past[:rt.MAX_PERMUTE_ROWS]
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H200)):
-        assert not dispatch.choose("route", "auto", logits, bias, cfg, permute=True).kernel
-        assert dispatch.choose("route", "auto", logits, bias, cfg).kernel
-        assert dispatch.choose("route", "auto", covered_logits, bias, cfg, permute=True).kernel
-        assert dispatch.choose("permute", "auto", covered_ids, cfg).kernel
-        assert not dispatch.choose("permute", "auto", past, cfg).kernel
+        assert not registry.choose("route", "auto", logits, bias, cfg, permute=True).kernel
+        assert registry.choose("route", "auto", logits, bias, cfg).kernel
+        assert registry.choose("route", "auto", covered_logits, bias, cfg, permute=True).kernel
+        assert registry.choose("permute", "auto", covered_ids, cfg).kernel
+        assert not registry.choose("permute", "auto", past, cfg).kernel
     assert rt.permute_bytes(256, 896, 16) == 16 * 1024 * 8 + 24 * 4096 + 4 * 896 + 8
 
 
@@ -223,16 +223,16 @@ def test_route_and_moe_front_return_a_dispatch():
 
 
 def test_registered_stages():
-    stage = dispatch.STAGES["permute"]
+    stage = registry.STAGES["permute"]
     assert stage.reference == "moe_front_jax.reference.routing:permutation"
     assert stage.kernel == "moe_front_jax.pallas.route:permutation"
     ids = jnp.zeros((3, K3.top_k), jnp.int32)
-    assert dispatch.choose("permute", "interpret", ids, K3).kernel
-    assert not dispatch.choose("permute", "xla", ids, K3).kernel
-    assert not dispatch.choose("permute", "auto", ids, K3).kernel  # off a GPU
+    assert registry.choose("permute", "interpret", ids, K3).kernel
+    assert not registry.choose("permute", "xla", ids, K3).kernel
+    assert not registry.choose("permute", "auto", ids, K3).kernel  # off a GPU
     logits = jnp.zeros((3, K3.experts), jnp.float32)
     bias = jnp.zeros((K3.experts,), jnp.float32)
-    assert dispatch.choose("route", "interpret", logits, bias, K3, permute=True).kernel
+    assert registry.choose("route", "interpret", logits, bias, K3, permute=True).kernel
     with pytest.raises(ValueError, match=r"ids must be \[B, top_k=16\] int32"):
         rt.permutation(jnp.zeros((3, 8), jnp.int32), K3)
     with pytest.raises(ValueError, match="ids is an empty batch"):

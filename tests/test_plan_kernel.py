@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 import moe_front_jax as mf
 import moe_front_jax.pallas.plan as plan_stage
-from moe_front_jax import dispatch, reference
+from moe_front_jax import registry, reference
 from moe_front_jax.pallas.plan import kernel as pp
 from h200 import H200, lower_for_h200
 import oracle
@@ -198,25 +198,25 @@ def test_heuristic_schedule():
 
 
 def test_registered_behind_the_plan_stage(monkeypatch):
-    stage = dispatch.STAGES["plan"]
+    stage = registry.STAGES["plan"]
     assert stage.kernel == "moe_front_jax.pallas.plan:plan"
     assert stage.reference == "moe_front_jax.reference.plan:mxfp8_plan"
-    assert stage.auto == dispatch.ALWAYS and stage.interprets
+    assert stage.auto == registry.ALWAYS and stage.interprets
     latent = jax.ShapeDtypeStruct((4, 64), jnp.bfloat16)
-    choice = dispatch.choose("plan", "interpret", latent, 32)
+    choice = registry.choose("plan", "interpret", latent, 32)
     assert choice.kernel and choice.run.keywords == {"interpret": True}
-    assert not dispatch.choose("plan", "xla", latent, 32).kernel
-    assert not dispatch.choose("plan", "auto", latent, 32).kernel  # no GPU here
+    assert not registry.choose("plan", "xla", latent, 32).kernel
+    assert not registry.choose("plan", "auto", latent, 32).kernel  # no GPU here
     monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
-    choice = dispatch.choose("plan", "pallas", latent, 32)
+    choice = registry.choose("plan", "pallas", latent, 32)
     assert choice.kernel and choice.run.keywords == {"interpret": False}
-    assert dispatch.choose("plan", "auto", latent, 32).kernel
-    assert not dispatch.choose("plan", "xla", latent, 32).kernel
+    assert registry.choose("plan", "auto", latent, 32).kernel
+    assert not registry.choose("plan", "xla", latent, 32).kernel
 
 
 @pytest.fixture
 def plan_spy(monkeypatch):
-    """Counts the plan kernel's calls (through ``dispatch``, which loads the stage package's ``plan``,
+    """Counts the plan kernel's calls (through ``registry``, which loads the stage package's ``plan``,
     or straight to the kernel module's)."""
     calls = []
     real = pp.plan
@@ -227,9 +227,9 @@ def plan_spy(monkeypatch):
 
     monkeypatch.setattr(pp, "plan", spy)
     monkeypatch.setattr(plan_stage, "plan", spy)
-    dispatch._load.cache_clear()
+    registry._load.cache_clear()
     yield calls
-    dispatch._load.cache_clear()
+    registry._load.cache_clear()
 
 
 def small_front(cfg):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import moe_front_jax as mf
-from moe_front_jax import dispatch, reference
+from moe_front_jax import registry, reference
 from moe_front_jax.reference import mailbox as reference_mailbox
 from moe_front_jax.pallas.route import kernel as rt
 from moe_front_jax.pallas.route_collect import kernel as rc
@@ -428,12 +428,12 @@ def test_grouped_plans_in_the_kernel(experts, k, group, width):
 
 
 def test_registered_behind_route_and_moe_front():
-    stage = dispatch.STAGES["route"]
-    assert stage.kernel == "moe_front_jax.pallas.route:route" and stage.auto == dispatch.ALWAYS
+    stage = registry.STAGES["route"]
+    assert stage.kernel == "moe_front_jax.pallas.route:route" and stage.auto == registry.ALWAYS
     logits = jnp.zeros((5, K3.experts), jnp.float32)
     bias = jnp.zeros((K3.experts,), jnp.float32)
-    assert dispatch.choose("route", "interpret", logits, bias, K3).kernel
-    assert not dispatch.choose("route", "xla", logits, bias, K3).kernel
+    assert registry.choose("route", "interpret", logits, bias, K3).kernel
+    assert not registry.choose("route", "xla", logits, bias, K3).kernel
     rng = np.random.default_rng(5)
     logits = jnp.asarray(rng.normal(0, 2, (5, K3.experts)).astype(np.float32))
     bias = jnp.asarray(rng.uniform(-0.05, 0.05, K3.experts).astype(np.float32))

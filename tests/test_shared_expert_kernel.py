@@ -13,7 +13,7 @@ import pytest
 
 import moe_front_jax as mf
 import moe_front_jax.pallas.shared_expert as shared_stage
-from moe_front_jax import dispatch, reference
+from moe_front_jax import registry, reference
 from moe_front_jax.params import rank_slices
 from moe_front_jax.pallas.shared_expert import triton as se
 from moe_front_jax.pallas.shared_expert import tma as st
@@ -147,16 +147,16 @@ def test_moe_front_runs_the_kernel_under_interpret(monkeypatch):
 
     monkeypatch.setattr(se, "shared_expert", spy)
     monkeypatch.setattr(shared_stage, "shared_expert", spy)
-    monkeypatch.setitem(dispatch.STAGES, "route", dataclasses.replace(
-        dispatch.STAGES["route"], kernel="test_shared_expert_kernel:route_any"))
-    dispatch._load.cache_clear()
+    monkeypatch.setitem(registry.STAGES, "route", dataclasses.replace(
+        registry.STAGES["route"], kernel="test_shared_expert_kernel:route_any"))
+    registry._load.cache_clear()
     cfg = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=128, top_k=16, latent=256, shared=96)
     params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg), cfg)
     x = jax.random.normal(jax.random.key(1), (5, SMALL_HIDDEN)).astype(jnp.bfloat16)
     try:
         got = jax.jit(lambda x, p: mf.moe_front(x, p, backend="interpret"))(x, params)
     finally:
-        dispatch._load.cache_clear()
+        registry._load.cache_clear()
     assert calls == [{"interpret": True}]
     want = mf.moe_front(x, params, backend="xla")
     assert got.shared.dtype == jnp.bfloat16 and got.shared.shape == (5, SMALL_HIDDEN)
@@ -164,16 +164,16 @@ def test_moe_front_runs_the_kernel_under_interpret(monkeypatch):
 
 
 def test_registered_for_pallas_and_interpret(monkeypatch):
-    stage = dispatch.STAGES["shared_expert"]
+    stage = registry.STAGES["shared_expert"]
     assert stage.kernel == "moe_front_jax.pallas.shared_expert:shared_expert" and stage.interprets
     cfg = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=128, top_k=16, latent=256, shared=96)
     args = (jax.ShapeDtypeStruct((5, SMALL_HIDDEN), jnp.bfloat16),
             jax.ShapeDtypeStruct((2 * 96, SMALL_HIDDEN), jnp.bfloat16),
             jax.ShapeDtypeStruct((SMALL_HIDDEN, 96), jnp.bfloat16), cfg)
-    kernel = dispatch.choose("shared_expert", "interpret", *args)
+    kernel = registry.choose("shared_expert", "interpret", *args)
     assert kernel.kernel and kernel.run.keywords == {"interpret": True}
     monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
-    kernel = dispatch.choose("shared_expert", "pallas", *args)
+    kernel = registry.choose("shared_expert", "pallas", *args)
     assert kernel.kernel and kernel.run.keywords == {"interpret": False}
 
 

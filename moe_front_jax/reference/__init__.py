@@ -7,7 +7,7 @@ tensor parallelism (the exchange, the shared expert's reduction) lives in ``moe_
 | SPEC | module | functions |
 | --- | --- | --- |
 | 3 | ``gemm`` | ``front_gemm``, ``front_gemm_plan`` |
-| 4 | ``routing`` | ``route``, ``ordered_key``, ``tree_sum``, ``routing_weights`` |
+| 4 | ``routing`` | ``route``, ``permutation`` (4.1), ``ordered_key``, ``tree_sum``, ``routing_weights`` |
 | 5 | ``plan`` | ``mxfp8_plan``, ``plan_scale_exponent``, ``e8m0_scale_down`` |
 | 6 | ``shared`` | ``shared_expert``, ``situ``, ``round_to_bfloat16`` |
 | 7 | ``mailbox`` | ``publish``, ``collect`` and the row layout |
@@ -24,6 +24,7 @@ from moe_front_jax.reference.plan import (
 from moe_front_jax.reference.routing import (
     RENORM_EPSILON,
     ordered_key,
+    permutation,
     route,
     routing_weights,
     tree_sum,
@@ -39,6 +40,7 @@ __all__ = [
     "mailbox",
     "mxfp8_plan",
     "ordered_key",
+    "permutation",
     "plan_scale_exponent",
     "round_to_bfloat16",
     "route",

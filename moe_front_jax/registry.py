@@ -1,4 +1,4 @@
-"""The one place that decides which implementation runs each stage of the front.
+"""The dispatch registry: the one place that decides which implementation runs each stage.
 
 Every stage declares its reference (``moe_front_jax.reference``), its kernel and when ``"auto"``
 prefers the kernel; every implementation of a stage takes the same arguments. The backends:
