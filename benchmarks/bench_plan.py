@@ -27,6 +27,7 @@ import moe_front_jax as mf
 from moe_front_jax import reference
 from moe_front_jax.pallas import plan as pp
 from moe_front_jax.pallas.plan.kernel import MAX_TILE, heuristic_config
+import timing
 from timing import cupti_us_per_call
 
 COPIES = 16
@@ -126,15 +127,8 @@ def main() -> None:
             rows.append(dict(stage="plan", backend=backend, tp=tp, batch=batch,
                              time_us=round(times[(tp, batch), backend], 3),
                              bytes=pp.plan_bytes(batch, widths[tp], block)))
-    result = dict(
-        device=device.device_kind,
-        rows=rows,
-        floors={"plan": {"bandwidth_gbs": COPY_CEILING_TBS * 1e3,
-                         "label": f"HBM copy {COPY_CEILING_TBS} TB/s"}},
-    )
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_plan.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    timing.write_result(args.out, "bench_plan", device.device_kind, rows, "plan",
+                        COPY_CEILING_TBS, f"HBM copy {COPY_CEILING_TBS} TB/s")
     if args.sweep:
         sweep = {f"tp={tp},batch={batch}": {n: times[(tp, batch), n] for n in variants[tp, batch]}
                  for tp, batch in shapes}

@@ -42,6 +42,7 @@ import moe_front_jax as mf
 from moe_front_jax import reference
 from moe_front_jax.pallas import route as rt
 from moe_front_jax.reference import routing as reference_routing
+import timing
 from timing import READ_CEILING_TBS, cupti_us_per_call
 
 COPIES = 16
@@ -190,15 +191,8 @@ def main() -> None:
             rows.append(dict(stage="route", backend=backend, tp=1, batch=batch,
                              time_us=round(times[batch, backend], 3),
                              bytes=rt.route_bytes(batch, cfg.experts, cfg.top_k)))
-    result = dict(
-        device=device.device_kind,
-        rows=rows,
-        floors={"route": {"bandwidth_gbs": READ_CEILING_TBS * 1e3,
-                          "label": f"HBM read {READ_CEILING_TBS} TB/s"}},
-    )
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_route.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    timing.write_result(args.out, "bench_route", device.device_kind, rows, "route",
+                        READ_CEILING_TBS, f"HBM read {READ_CEILING_TBS} TB/s")
     if not args.no_permute:
         permute_rows = [
             dict(stage="route_permute", backend=backend, tp=1, batch=batch,
@@ -211,9 +205,9 @@ def main() -> None:
                        xla_route_us=round(times[batch, "xla"], 3),
                        xla_permute_kernels=kernels[batch, "xla_permute"],
                        order_equals_reference=orders[batch]) for batch in batches]
-        with open(os.path.join(args.out, "bench_route_permute.json"), "w") as f:
-            json.dump(dict(device=device.device_kind, rows=permute_rows, detail=detail,
-                           floors={"route_permute": result["floors"]["route"]}), f, indent=1)
+        timing.write_result(args.out, "bench_route_permute", device.device_kind, permute_rows,
+                            "route_permute", READ_CEILING_TBS, f"HBM read {READ_CEILING_TBS} TB/s",
+                            detail=detail)
     if args.sweep:
         sweep = {str(batch): {n: times[batch, n] for n in variants} for batch in batches}
         # Fraction of rows whose ids equal the XLA reference's, per schedule (as "ids==xla" below).

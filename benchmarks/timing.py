@@ -318,3 +318,14 @@ def spans_of(events: list[dict], call_kernels: list[str]) -> dict:
                  for start, end, name in program] for program in programs]
     return dict(programs_traced=len(programs), timeline=timeline, call_span_us=float(np.median(
         [s for one in timeline for s in call_spans(one, per_call)])))
+
+
+def write_result(out: str, name: str, device_kind: str, rows: list[dict], stage: str,
+                 ceiling_tbs: float, label: str, **extra) -> None:
+    """``$out/<name>.json`` in benchmarks/README.md's format: ``rows`` and ``stage``'s floor at
+    ``ceiling_tbs`` (shown as ``label``), and any ``extra`` keys."""
+    os.makedirs(out, exist_ok=True)
+    result = dict(device=device_kind, rows=rows,
+                  floors={stage: {"bandwidth_gbs": ceiling_tbs * 1e3, "label": label}}, **extra)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1)
