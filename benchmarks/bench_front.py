@@ -13,7 +13,8 @@ for ``xla``, ``auto`` and ``pallas`` in one process: the span (the program's fir
 its last kernel end in a profiler trace, divided by the layers: gaps and launches included), the
 CUPTI sum of its kernels, the host's wall clock, and the kernels launched. The floor is the layer's
 weight bytes at the read ceiling measured in the same run (XLA's float32 sum over 2 GiB of bf16).
-The table prints last; everything goes to $OUT/bench_front.json, and the figure to
+The table prints last; everything goes to $OUT/bench_front.json (a variant that fails to compile
+or run is listed under "failed" with its error, and the run goes on), and the figure to
 $OUT/bench_front.png where matplotlib is installed.
 """
 
@@ -200,7 +201,7 @@ def main() -> None:
         return
     ceiling = read_ceiling_tbs()
     print(f"{jax.devices()[0].device_kind}: read ceiling {ceiling:.2f} TB/s", flush=True)
-    rows = []
+    rows, failed = [], []
     for tp in tps:
         cfg = mf.KIMI_K3.with_tp(tp)
         params = layer_params(cfg, args.layers)
@@ -210,7 +211,14 @@ def main() -> None:
             for backend in args.backends.split(","):
                 if backend == "engine" and batch > 64:
                     continue  # the engine covers B <= 64
-                row = measure(backend, tp, batch, params, args.calls)
+                try:
+                    row = measure(backend, tp, batch, params, args.calls)
+                except Exception as error:  # one variant's failure is a row, not the end of the run
+                    print(f"tp={tp} B={batch} {backend}: FAILED {type(error).__name__}: "
+                          f"{str(error)[:400]}", flush=True)
+                    failed.append(dict(backend=backend, tp=tp, batch=batch,
+                                       error=f"{type(error).__name__}: {error}"))
+                    continue
                 row.update(floor_us=floor, weight_bytes=weight_bytes(cfg))
                 rows.append(row)
                 print(f"tp={tp} B={batch} {backend}: span {row['span_us'] or float('nan'):.1f} us, "
@@ -219,7 +227,7 @@ def main() -> None:
         del params
     os.makedirs(args.out, exist_ok=True)
     result = dict(device=jax.devices()[0].device_kind, read_ceiling_tbs=ceiling,
-                  layers=args.layers, rows=rows)
+                  layers=args.layers, rows=rows, failed=failed)
     with open(os.path.join(args.out, "bench_front.json"), "w") as f:
         json.dump(result, f, indent=1)
     draw(rows, os.path.join(args.out, "bench_front.png"))
