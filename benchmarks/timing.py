@@ -154,6 +154,15 @@ def cupti_us_per_kernel(fn, x, weights, rounds: int = 2, attempts: int = 3
             for i, name in enumerate(names)}
 
 
+TUNE_SMEM_BUDGET = 200 * 1024
+"""The tuners' candidates keep their pipeline buffers under this (a Hopper SM has 227 KiB of shared
+memory)."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def vector_schedules(tiles, k: int, parts: int, batch: int, cores: int = 132
                      ) -> list[tuple[int, int, int]]:
     """``(block_rows, block_k, num_warps)`` of the vector schedules worth timing for a batch of at

@@ -33,23 +33,9 @@ from moe_front_jax.pallas import front_gemm as fg
 from moe_front_jax.pallas.device import kind_folder
 from moe_front_jax.pallas.gemm.schedule import VECTOR_MAX_BATCH
 from timing import (
-    FrontShape,
-    contract_errors,
-    cupti_us_per_call,
-    decode_rows,
-    float64_product,
-    packed_weights,
-    tbs,
-    vector_schedules,
-    xla_dot,
+    TUNE_SMEM_BUDGET, FrontShape, contract_errors, cupti_us_per_call, decode_rows, divisors,
+    float64_product, packed_weights, tbs, vector_schedules, xla_dot,
 )
-
-SMEM_BUDGET = 200 * 1024
-"""Pipeline buffers per program stay under this (an H200 SM has 227 KiB of shared memory)."""
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def candidates(shape: FrontShape, bp: int, cores: int = 132) -> list[fg.FrontGemmConfig]:
@@ -80,7 +66,7 @@ def candidates(shape: FrontShape, bp: int, cores: int = 132) -> list[fg.FrontGem
                 chosen = [splits[-1]]
             warps = 4 if bn * bp <= 64 * 64 else 8
             per_stage = 2 * bk * (bn + bp)
-            deepest = min(6, SMEM_BUDGET // per_stage)
+            deepest = min(6, TUNE_SMEM_BUDGET // per_stage)
             for s in chosen:
                 depth = min(deepest, shape.hidden // (s * bk))
                 if depth >= 2:
@@ -127,7 +113,7 @@ def neighbours(ranked_configs: list[fg.FrontGemmConfig], bp: int) -> list[fg.Fro
         best = out[0]
         out.append(dataclasses.replace(best, num_warps=12 - best.num_warps))
         deeper = best.num_stages + 2
-        if 2 * best.block_k * (best.block_rows + bp) * deeper <= SMEM_BUDGET:
+        if 2 * best.block_k * (best.block_rows + bp) * deeper <= TUNE_SMEM_BUDGET:
             out.append(dataclasses.replace(best, num_stages=deeper))
     return list(dict.fromkeys(out))
 

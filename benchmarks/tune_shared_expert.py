@@ -54,12 +54,9 @@ from moe_front_jax.pallas.gemm.schedule import (
 from moe_front_jax.pallas.shared_expert import tma as shared_expert_tma
 from moe_front_jax.pallas.shared_expert.triton import down_proj_t
 from timing import (
-    SharedShape, cupti_us_per_call, down_copies, gate_up_copies, rows, tbs, vector_schedules, xla_dot,
+    TUNE_SMEM_BUDGET, SharedShape, cupti_us_per_call, divisors, down_copies, gate_up_copies, rows,
+    tbs, vector_schedules, xla_dot,
 )
-
-SMEM_BUDGET = 200 * 1024
-"""Pipeline buffers per program stay under this (an H200 SM has 227 KiB of shared memory)."""
-
 
 KINDS = ("grid", "stream_k", "vector", "tma")
 
@@ -92,10 +89,6 @@ XLA = {
 """Each kernel's XLA counterpart at a tp: the check's reference, and timed beside the candidates."""
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidates(row_count: int, k: int, parts: int, bp: int, cores: int = 132) -> list[GemmConfig]:
     """Schedules worth timing for one kernel: rows per program 16, 32, 64, 128 (``parts`` row blocks
     each); K steps of 64, 128 and 256, and 16 and 32 for batch tiles of 64 and more (whose ``x``
@@ -121,7 +114,7 @@ def candidates(row_count: int, k: int, parts: int, bp: int, cores: int = 132) ->
                 chosen += [fullest] if fullest not in chosen else []
             chosen = chosen or splits[-1:]
             warps = 4 if parts * bn * bp <= 64 * 64 else 8
-            deepest = min(6, SMEM_BUDGET // (2 * bk * (parts * bn + bp)))
+            deepest = min(6, TUNE_SMEM_BUDGET // (2 * bk * (parts * bn + bp)))
             for s in chosen:
                 depth = min(deepest, steps // s)
                 if depth >= 2:
@@ -143,7 +136,7 @@ def stream_k_candidates(row_count: int, k: int, parts: int, bp: int, cores: int 
                 continue
             warps = 4 if parts * bn * bp <= 64 * 64 else 8
             for per_sm in (1, 2):
-                depth = min(6, SMEM_BUDGET // per_sm // (2 * bk * (parts * bn + bp)))
+                depth = min(6, TUNE_SMEM_BUDGET // per_sm // (2 * bk * (parts * bn + bp)))
                 if depth >= 2 and tiles * (k // bk) >= 2 * per_sm * cores:
                     out.append(GemmConfig(bn, bk, 1, warps, depth, per_sm * cores))
     return out
@@ -176,7 +169,7 @@ def tma_candidates(row_count: int, k: int, parts: int, batch: int, cores: int = 
                       [s for s in divisors(steps) if 96 <= tiles * s <= 300 and steps // s >= 2])
             stage = 2 * bk * (parts * bn + (TMA_MAX_BATCH if batch_m else bp))
             for split in splits:
-                deepest = min(SMEM_BUDGET // stage, steps // split)
+                deepest = min(TUNE_SMEM_BUDGET // stage, steps // split)
                 for depth in sorted({d for d in (3, 4, 6, 8, deepest)
                                      if min(3, deepest) <= d <= deepest}):
                     out.append(GemmConfig(bn, bk, split, TMA_WARPS, depth, tma=True,

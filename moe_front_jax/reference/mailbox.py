@@ -135,16 +135,8 @@ def collect(
 
 
 def gemm_publish(
-    x: jax.Array,
-    packed: jax.Array,
-    split: int,
-    valid: int,
-    buffer: jax.Array,
-    control: jax.Array,
-    tickets: jax.Array,
-    cfg: FrontConfig,
-    *,
-    plan_block: int | None = None,
+    x: jax.Array, packed: jax.Array, split: int, valid: int, buffer: jax.Array, control: jax.Array,
+    tickets: jax.Array, cfg: FrontConfig, *, plan_block: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``front_gemm``, then rank 0's ``publish`` of its logits and latent (tp = 1): what the front
     GEMM kernel does from its epilogue. ``tickets`` (the kernel's tile counters) come back as they
@@ -159,14 +151,8 @@ def gemm_publish(
 
 
 def collect_route_plan(
-    buffer: jax.Array,
-    control: jax.Array,
-    status: jax.Array,
-    bias: jax.Array,
-    batch: int,
-    cfg: FrontConfig,
-    *,
-    with_plan: bool = False,
+    buffer: jax.Array, control: jax.Array, status: jax.Array, bias: jax.Array, batch: int,
+    cfg: FrontConfig, *, with_plan: bool = False,
 ) -> tuple:
     """``collect``, then ``route`` over the collected logits and, ``with_plan``, the MXFP8 plan of the
     collected latent: what the routing kernel that polls the mailbox does in one launch.

@@ -34,10 +34,7 @@ def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax
 
 
 def shared_expert(
-    x: jax.Array,
-    gate_up: jax.Array,
-    down: jax.Array,
-    cfg: FrontConfig,
+    x: jax.Array, gate_up: jax.Array, down: jax.Array, cfg: FrontConfig,
     out_dtype: jnp.dtype = jnp.bfloat16,
 ) -> jax.Array:
     """The shared expert on one rank's slice (SPEC section 6); a partial sum when ``cfg.tp > 1``.
