@@ -276,7 +276,7 @@ def test_an_unknown_stage_is_a_value_error():
 
 @pytest.mark.parametrize("on_gpu", [False, True])
 def test_xla_always_runs_the_reference(monkeypatch, on_gpu):
-    monkeypatch.setattr(dispatch, "on_gpu", lambda: on_gpu)
+    monkeypatch.setattr(registry, "on_gpu", lambda: on_gpu)
     for name in registry.STAGES:
         assert not registry.choose(name, "xla").kernel, name
     logits, bias = abstract((2, 128), jnp.float32), abstract((128,), jnp.float32)
@@ -298,7 +298,7 @@ def test_interpret_runs_the_kernels_but_the_mailbox_reference():
 
 
 def test_auto_falls_through_where_a_kernel_does_not_cover(monkeypatch):
-    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(registry, "on_gpu", lambda: True)
     # B = 300 rows: more than the front GEMM's and the shared expert's kernels cover.
     assert not registry.choose("front_gemm", "auto", *gemm_args(300)).kernel
     with pytest.raises(NotImplementedError, match="B <= 256 rows per call, got B=300"):

@@ -100,7 +100,7 @@ def test_off_the_gpu_auto_is_the_reference():
 
 @pytest.mark.parametrize("tp", [1, 8])
 def test_auto_front_gemm_is_the_kernel_where_the_table_says(monkeypatch, tp):
-    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(registry, "on_gpu", lambda: True)
     cfg = K3.with_tp(tp)
     valid, shard = cfg.experts_per_rank, cfg.latent_per_rank
     split = padded_split(valid)
@@ -118,7 +118,7 @@ def test_auto_front_gemm_is_the_kernel_where_the_table_says(monkeypatch, tp):
 
 @pytest.mark.parametrize("tp", [1, 8])
 def test_auto_shared_expert_is_the_kernels_where_the_table_says(monkeypatch, tp):
-    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(registry, "on_gpu", lambda: True)
     cfg = K3.with_tp(tp)
     s_r = cfg.shared_per_rank
     gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
@@ -139,7 +139,7 @@ def test_auto_moe_front_takes_the_kernel_at_b1_and_xla_at_b8(monkeypatch):
     """The whole front on ``"auto"`` at tp1: the GEMM kernel and the routing kernel at B=1, where
     the table has the kernel; XLA's dot and the routing kernel at B=8, where it has XLA; the shared
     expert's two TMA kernels at both, as the table has them at tp1."""
-    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(registry, "on_gpu", lambda: True)
     assert auto_entries("front_gemm")[fg.table_key(896, 3584, 7168, 1)]["kernel"]
     assert not auto_entries("front_gemm")[fg.table_key(896, 3584, 7168, 8)]["kernel"]
     for batch in (1, 8):
@@ -157,7 +157,7 @@ def test_auto_moe_front_takes_the_kernel_at_b1_and_xla_at_b8(monkeypatch):
 def test_malformed_arguments_take_the_reference(monkeypatch):
     """The predicates do not index shapes they were not given: the reference then raises its own
     error (moe_front checks its arguments before any stage runs)."""
-    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(registry, "on_gpu", lambda: True)
     assert not fg.auto_prefers_kernel(jnp.zeros((7168,), jnp.bfloat16), jnp.zeros((8, 7168)), 0, 8)
     assert not se.auto_prefers_kernel(jnp.zeros((0, 64), jnp.bfloat16), None, jnp.zeros((64, 8)),
                                       K3)

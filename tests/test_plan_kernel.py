@@ -207,7 +207,7 @@ def test_registered_behind_the_plan_stage(monkeypatch):
     assert choice.kernel and choice.run.keywords == {"interpret": True}
     assert not registry.choose("plan", "xla", latent, 32).kernel
     assert not registry.choose("plan", "auto", latent, 32).kernel  # no GPU here
-    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(registry, "on_gpu", lambda: True)
     choice = registry.choose("plan", "pallas", latent, 32)
     assert choice.kernel and choice.run.keywords == {"interpret": False}
     assert registry.choose("plan", "auto", latent, 32).kernel

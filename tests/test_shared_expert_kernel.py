@@ -172,7 +172,7 @@ def test_registered_for_pallas_and_interpret(monkeypatch):
             jax.ShapeDtypeStruct((SMALL_HIDDEN, 96), jnp.bfloat16), cfg)
     kernel = registry.choose("shared_expert", "interpret", *args)
     assert kernel.kernel and kernel.run.keywords == {"interpret": True}
-    monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+    monkeypatch.setattr(registry, "on_gpu", lambda: True)
     kernel = registry.choose("shared_expert", "pallas", *args)
     assert kernel.kernel and kernel.run.keywords == {"interpret": False}
 
