@@ -163,10 +163,15 @@ def moe_front(
         (``mailbox.exchange_route``); where the front GEMM kernel runs (tp = 1), it publishes from
         its epilogue (``mailbox.gemm_exchange_route``). Donate it: ``jax.jit(moe_front,
         donate_argnames="mailbox")``. Its path canonicalizes -0 logits and latent values to +0
-        (``moe_front_jax.bridge.mailbox`` says why routing is unaffected). With ``axis_name``, this
+        (routing is unaffected: ``sigmoid(-0) == sigmoid(+0)``). With ``axis_name``, this
         rank's mailbox (created for ``params.cfg``); the ranks' shards reach it through a gather in
         plain JAX, or on a GPU through the peer-store publish (``exchange``'s ``transport="peer"``;
         measured on one GPU only).
+
+    Where the params hold a shared expert and the streaming engine's kernels run (``"pallas"`` or
+    ``"interpret"``, ``B <= 64``, no mailbox), the front is merged: one launch over ``[router;
+    latent; gate; up]`` (the plan in its epilogue), routing, then the shared expert's down
+    (``registry.STAGES["front_gate_up"]``).
 
     Returns:
       ``FrontOutput(ids, weights, latent, logits, shared, plan, status, dispatch)``; with a
@@ -177,7 +182,9 @@ def moe_front(
         an unknown backend or shared_reduce, an ``axis_name`` that disagrees with the params, or a
         mailbox laid out for another config or too small for the batch.
       NotImplementedError: a mailbox with ``shard_params``' sharded params (each rank needs its own:
-        call ``moe_front`` inside ``jax.shard_map`` with ``axis_name`` instead).
+        call ``moe_front`` inside ``jax.shard_map`` with ``axis_name`` instead); under
+        ``"pallas"`` or ``"interpret"``, a call a kernel does not cover (``B > 256`` rows; ``"auto"``
+        and ``"xla"`` take any ``B``).
 
     Example::
 
@@ -234,6 +241,14 @@ def moe_front(
             ids, weights, logits, latent, planned, status, dispatched, mailbox = (
                 mailboxes.exchange_route(mailbox, logits, latent, params.bias, backend=backend,
                                          plan=plan, permute=permute))
+    elif merged_front(x, params, backend, plan):
+        # One launch over [router; latent; gate; up] (the plan in its epilogue), then the down.
+        logits, latent, planned, hidden = registry.run("front_gate_up", backend, *gemm_args,
+                                                       params.gate_up, cfg, plan=plan)
+        ids, weights, dispatched = route_stage(logits, params.bias, cfg, backend, permute)
+        shared = registry.run("shared_down", backend, hidden, params.down, jnp.bfloat16)
+        return FrontOutput(ids, weights, latent, logits, shared, planned, status,
+                           as_dispatch(dispatched))
     else:
         if plan_gemm:
             logits, latent, planned = registry.run("front_gemm_plan", backend, *gemm_args,
@@ -250,6 +265,22 @@ def moe_front(
     out = FrontOutput(ids, weights, latent, logits, shared, planned, status,
                       as_dispatch(dispatched))
     return out if mailbox is None else (out, mailbox)
+
+
+def merged_front(x, params: FrontParams, backend: str, plan: bool) -> bool:
+    """Whether one rank's front at tp = 1 runs merged with the shared expert's gate/up (the
+    ``front_gate_up`` and ``shared_down`` stages) rather than as the ``front_gemm`` and
+    ``shared_expert`` stages: where the params hold a shared expert and both merged kernels run and
+    cover ``x``'s rows. Under tensor parallelism the front stays unmerged: Mosaic GPU's interpret
+    mode cannot run under a ``shard_map`` of several devices, so that path could not be checked off
+    the GPU."""
+    if not params.has_shared:
+        return False
+    cfg = params.cfg
+    hidden = jax.ShapeDtypeStruct((x.shape[0], cfg.shared_per_rank), jnp.bfloat16)
+    return (registry.runs_kernel("front_gate_up", backend, x, params.packed, params.split,
+                                 cfg.experts_per_rank, params.gate_up, cfg, plan=plan)
+            and registry.runs_kernel("shared_down", backend, hidden, params.down, jnp.bfloat16))
 
 
 def route_stage(logits, bias, cfg: FrontConfig, backend: str, permute: bool):

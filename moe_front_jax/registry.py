@@ -66,6 +66,14 @@ STAGES: dict[str, Stage] = {
     "shared_expert": Stage(f"{_R}.shared:shared_expert", f"{_P}.shared_expert:shared_expert",
                            auto=f"{_P}.shared_expert:auto_prefers_kernel",
                            covers=f"{_P}.shared_expert:covers"),
+    # The merged front on the streaming engine: the front GEMM (with its plan) and the shared
+    # expert's gate/up in one launch over [router; latent; gate; up], then the down. ``moe_front``
+    # takes it where both kernels run and cover the call, else the stages above. Not yet timed on a
+    # GPU against them, so "auto" never prefers it.
+    "front_gate_up": Stage(f"{_R}.gemm:front_gate_up", f"{_P}.engine:front_gate_up", auto=NEVER,
+                           covers=f"{_P}.engine:covers_front_gate_up"),
+    "shared_down": Stage(f"{_R}.shared:shared_down", f"{_P}.engine:down", auto=NEVER,
+                         covers=f"{_P}.engine:covers_down"),
     # The mailbox (SPEC section 7): publish, collect, the front GEMM publishing from its epilogue,
     # and the routing kernel that polls the mailbox itself (collect, route and plan in one launch).
     "mailbox_publish": Stage(f"{_R}.mailbox:publish", "moe_front_jax.bridge.triton_mailbox:publish",
@@ -155,6 +163,15 @@ def run(name: str, backend: str, *args, **kwargs):
     """Run stage ``name`` under ``backend``: ``choose(name, backend, *args, **kwargs).run(*args,
     **kwargs)``."""
     return choose(name, backend, *args, **kwargs).run(*args, **kwargs)
+
+
+def runs_kernel(name: str, backend: str, *args, **kwargs) -> bool:
+    """Whether stage ``name``'s kernel would run under ``backend`` for these arguments: False where
+    the reference would, and where the kernel does not cover them (no ``NotImplementedError``)."""
+    try:
+        return choose(name, backend, *args, **kwargs).kernel
+    except NotImplementedError:
+        return False
 
 
 def _covers(stage: Stage, *args, **kwargs) -> None:

@@ -1,7 +1,8 @@
 """The streaming engine (``moe_front_jax.pallas.engine``): interpret mode against exact float64
 products and the reference for every region mix (front; front with gate/up; down in bfloat16 and
 float32), the edge batches, ``covers``' errors, the heuristic's tiling at Kimi-K3's shapes, lowering
-for an H200 from the CPU host, and on a GPU against float64."""
+for an H200 from the CPU host, and on a GPU against float64; ``moe_front``'s merged path (the
+``front_gate_up`` and ``shared_down`` stages) against the reference, and its kernels on an H200."""
 
 import functools
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import moe_front_jax as mf
-from moe_front_jax import reference
+from moe_front_jax import api, reference, registry
 from moe_front_jax.params import padded_split
 from moe_front_jax.pallas.engine import kernel as ek
 from moe_front_jax.pallas.engine.kernel import EngineConfig
@@ -405,6 +406,80 @@ def test_lowers_without_pdl(monkeypatch):
     cfg, valid, split, x, packed, *_ = k3_arrays(8, 8)
     text = lower_for_h200(lambda x, w: ek.front_gemm(x, w, split, valid), x, packed)
     assert text.count("@mosaic_gpu_v2") == 1 and "mosaic_gpu.uses_pdl" not in text
+
+
+# --- moe_front's merged path ------------------------------------------------------------------------
+
+
+def small_params():
+    return mf.init_weights(jax.random.key(5), SMALL, shared=True), SMALL
+
+
+@pytest.mark.parametrize("batch", [1, 37, 64])
+def test_moe_front_merged_meets_the_contract(batch):
+    """With shared weights and ``"interpret"``, ``moe_front`` runs the merged stages. Against the
+    ``"xla"`` reference: logits within float32 summation order, latent and shared output within one
+    bfloat16 ulp (a float32 sum in another order may move a rounding); ids, weights and the
+    dispatch are exactly the reference routing of the logits the call returned, the plan exactly
+    the reference plan of its latent."""
+    weights, cfg = small_params()
+    params = mf.pack_params(weights, cfg)
+    x = jax.random.normal(jax.random.key(batch), (batch, HIDDEN)).astype(jnp.bfloat16)
+    assert api.merged_front(x, params, "interpret", True)
+    assert not api.merged_front(x, params, "xla", True)
+    assert not api.merged_front(x, params, "auto", True)  # never timed yet
+    front = jax.jit(mf.moe_front, static_argnames=("plan", "permute", "backend"))
+    want = front(x, params, plan=True, permute=True, backend="xla")
+    got = front(x, params, plan=True, permute=True, backend="interpret")
+    np.testing.assert_allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    for field in ("latent", "shared"):
+        assert oracle.bf16_ulp_distance(getattr(got, field), getattr(want, field)).max() <= 1
+    ids, route_weights, *dispatch = reference.route(got.logits, params.bias, cfg, permute=True)
+    for g, w in zip((got.ids, got.weights, *got.dispatch), (ids, route_weights, *dispatch)):
+        np.testing.assert_array_equal(bits(g), bits(w))
+    for g, w in zip(got.plan, reference.mxfp8_plan(got.latent, cfg.plan_block)):
+        np.testing.assert_array_equal(bits(g), bits(w))
+
+
+def test_moe_front_under_tp_stays_unmerged():
+    """One rank's front under tensor parallelism takes the separate stages (Mosaic GPU's interpret
+    mode cannot run under a ``shard_map`` of several devices): the sharded path under
+    ``"interpret"`` equals the reference."""
+    weights, cfg = small_params()
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+    params = mf.shard_params(weights, cfg.with_tp(2), mesh, "tp")
+    x = jax.random.normal(jax.random.key(9), (5, HIDDEN)).astype(jnp.bfloat16)
+    want = mf.moe_front(x, params, plan=True, backend="xla")
+    got = mf.moe_front(x, params, plan=True, backend="interpret")
+    for field in ("ids", "weights", "latent", "shared"):
+        np.testing.assert_array_equal(bits(getattr(got, field)), bits(getattr(want, field)), field)
+
+
+def test_moe_front_past_the_engine_takes_the_separate_stages():
+    """B = 65 is past the engine's 64 rows: ``"interpret"`` runs the front GEMM and shared expert
+    kernels instead, and ``registry.runs_kernel`` says so without raising."""
+    weights, cfg = small_params()
+    params = mf.pack_params(weights, cfg)
+    x = jax.ShapeDtypeStruct((65, HIDDEN), jnp.bfloat16)
+    assert not registry.runs_kernel("front_gate_up", "interpret", x, params.packed, params.split,
+                                    cfg.experts_per_rank, params.gate_up, cfg)
+    assert not api.merged_front(x, params, "interpret", False)
+    with pytest.raises(NotImplementedError, match="B <= 64"):
+        registry.choose("front_gate_up", "interpret", x, params.packed, params.split,
+                        cfg.experts_per_rank, params.gate_up, cfg)
+
+
+@pytest.mark.parametrize("batch, plan", [(1, True), (8, False), (64, True)])
+def test_moe_front_merged_is_three_kernels_on_an_h200(batch, plan):
+    """``moe_front(x, params, plan=...)`` with K3's shared weights under ``"pallas"`` lowers for an
+    H200 as three kernels: the merged front and the down (Mosaic GPU, launched with PDL) and the
+    routing kernel (Triton); no XLA dot."""
+    params = mf.pack_params(k3_weights(), K3)
+    x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
+    text = lower_for_h200(lambda x, p: mf.moe_front(x, p, plan=plan, backend="pallas"), x, params)
+    assert text.count("@mosaic_gpu_v2") == 2 and text.count("mosaic_gpu.uses_pdl") == 2
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "stablehlo.dot_general" not in text
 
 
 # --- on the GPU --------------------------------------------------------------------------------------

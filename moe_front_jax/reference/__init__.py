@@ -6,15 +6,15 @@ tensor parallelism (the exchange, the shared expert's reduction) lives in ``moe_
 
 | SPEC | module | functions |
 | --- | --- | --- |
-| 3 | ``gemm`` | ``front_gemm``, ``front_gemm_plan`` |
+| 3 | ``gemm`` | ``front_gemm``, ``front_gemm_plan``, ``front_gate_up`` (3 with 5 and 6) |
 | 4 | ``routing`` | ``route``, ``permutation`` (4.1), ``ordered_key``, ``tree_sum``, ``routing_weights`` |
 | 5 | ``plan`` | ``mxfp8_plan``, ``plan_scale_exponent``, ``e8m0_scale_down`` |
-| 6 | ``shared`` | ``shared_expert``, ``situ``, ``round_to_bfloat16`` |
+| 6 | ``shared`` | ``shared_expert`` (``shared_hidden``, then ``shared_down``), ``situ``, ``round_to_bfloat16`` |
 | 7 | ``mailbox`` | ``publish``, ``collect`` and the row layout |
 """
 
 from moe_front_jax.reference import mailbox
-from moe_front_jax.reference.gemm import front_gemm, front_gemm_plan
+from moe_front_jax.reference.gemm import front_gate_up, front_gemm, front_gemm_plan
 from moe_front_jax.reference.plan import (
     E4M3_MAX,
     e8m0_scale_down,
@@ -29,12 +29,19 @@ from moe_front_jax.reference.routing import (
     routing_weights,
     tree_sum,
 )
-from moe_front_jax.reference.shared import round_to_bfloat16, shared_expert, situ
+from moe_front_jax.reference.shared import (
+    round_to_bfloat16,
+    shared_down,
+    shared_expert,
+    shared_hidden,
+    situ,
+)
 
 __all__ = [
     "E4M3_MAX",
     "RENORM_EPSILON",
     "e8m0_scale_down",
+    "front_gate_up",
     "front_gemm",
     "front_gemm_plan",
     "mailbox",
@@ -45,7 +52,9 @@ __all__ = [
     "round_to_bfloat16",
     "route",
     "routing_weights",
+    "shared_down",
     "shared_expert",
+    "shared_hidden",
     "situ",
     "tree_sum",
 ]

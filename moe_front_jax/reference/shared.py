@@ -33,6 +33,23 @@ def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax
     return (g * u).astype(jnp.bfloat16)
 
 
+def shared_hidden(x: jax.Array, gate_up: jax.Array, cfg: FrontConfig) -> jax.Array:
+    """The shared expert's first half: ``situ(bf16(x @ gate.T), bf16(x @ up.T))`` ``[B, S_r]``
+    bfloat16, from ``x`` ``[B, H]`` and ``gate_up`` ``[2 S_r, H]`` (gate rows, then up rows), float32
+    accumulation."""
+    s_r = gate_up.shape[0] // 2
+    h = lax.dot_general(x, gate_up, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    gate, up = round_to_bfloat16(h[:, :s_r]), round_to_bfloat16(h[:, s_r:])
+    return situ(gate, up, cfg.situ_beta, cfg.linear_beta)
+
+
+def shared_down(hidden: jax.Array, down: jax.Array, out_dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
+    """The shared expert's second half: ``hidden @ down.T`` ``[B, H]`` in ``out_dtype`` from
+    ``hidden`` ``[B, S_r]`` and ``down`` ``[H, S_r]``, float32 accumulation."""
+    out = lax.dot_general(hidden, down, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
 def shared_expert(
     x: jax.Array, gate_up: jax.Array, down: jax.Array, cfg: FrontConfig,
     out_dtype: jnp.dtype = jnp.bfloat16,
@@ -47,11 +64,6 @@ def shared_expert(
       out_dtype: bfloat16 (the SPEC's output) or float32 (a partial sum to reduce before rounding).
 
     Returns:
-      ``[B, H]`` ``out_dtype``: ``hidden @ down.T`` with float32 accumulation.
+      ``[B, H]`` ``out_dtype``: ``shared_down(shared_hidden(x, gate_up, cfg), down, out_dtype)``.
     """
-    s_r = gate_up.shape[0] // 2
-    h = lax.dot_general(x, gate_up, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    gate, up = round_to_bfloat16(h[:, :s_r]), round_to_bfloat16(h[:, s_r:])
-    hidden = situ(gate, up, cfg.situ_beta, cfg.linear_beta)
-    out = lax.dot_general(hidden, down, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return out.astype(out_dtype)
+    return shared_down(shared_hidden(x, gate_up, cfg), down, out_dtype)
