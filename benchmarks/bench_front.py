@@ -33,12 +33,12 @@ import numpy as np
 import moe_front_jax as mf
 import timing
 from moe_front_jax import registry
-from moe_front_jax.pallas import engine
 
 BACKENDS = ("xla", "auto", "pallas", "engine")
-"""``engine``: the streaming engine's merged front (``pallas.engine.front_gate_up``: router, latent,
-plan and the shared expert's gate/up in one launch), the routing kernel and the engine's down; not
-yet behind ``moe_front``'s backends (B <= 64)."""
+"""``engine``: one rank's layer at tp > 1 on the streaming engine's merged front
+(``pallas.engine.front_gate_up``: router, latent, plan and the shared expert's gate/up in one
+launch), the routing kernel and the engine's down (B <= 64). At tp1 ``pallas`` is that already
+(``moe_front`` merges there), so ``engine`` runs only at tp > 1."""
 
 
 def weight_bytes(cfg: mf.FrontConfig) -> int:
@@ -70,19 +70,17 @@ def rank_layer(x, params: mf.FrontParams, backend: str):
 
 
 def engine_layer(x, params: mf.FrontParams):
-    """One layer on the streaming engine: two engine launches and the routing kernel."""
+    """One rank's layer on the merged front (``front_gate_up``, ``route``, ``shared_down``), the
+    exchange left out as in ``rank_layer``."""
     cfg = params.cfg
     backend = "pallas" if registry.on_gpu() else "interpret"
-    interpret = backend == "interpret"
-    logits, latent, plan, hidden = engine.front_gate_up(
-        x, params.packed, params.split, cfg.experts_per_rank, params.gate_up, cfg, plan=True,
-        interpret=interpret)
-    if cfg.tp > 1:  # stand-ins for the exchange's gathered rows (module docstring)
-        logits, latent = jnp.tile(logits, (1, cfg.tp)), jnp.tile(latent, (1, cfg.tp))
-        plan = tuple(jnp.tile(part, (1, cfg.tp)) for part in plan)
+    logits, latent, plan, hidden = registry.run(
+        "front_gate_up", backend, x, params.packed, params.split, cfg.experts_per_rank,
+        params.gate_up, cfg, plan=True)
+    logits, latent = jnp.tile(logits, (1, cfg.tp)), jnp.tile(latent, (1, cfg.tp))
+    plan = tuple(jnp.tile(part, (1, cfg.tp)) for part in plan)
     ids, weights = registry.run("route", backend, logits, params.bias, cfg)
-    out_dtype = jnp.bfloat16 if cfg.tp == 1 else jnp.float32
-    shared = engine.down(hidden, params.down, out_dtype, interpret=interpret)
+    shared = registry.run("shared_down", backend, hidden, params.down, jnp.float32)
     return ids, weights, latent, logits, shared, plan
 
 
@@ -143,7 +141,8 @@ def check(tp: int, batch: int) -> None:
     params = layer_params(cfg, 2)
     xs = [timing.rows(batch, cfg.hidden, seed=i) for i in range(2)]
     want = timing.chain_program(layer("xla", tp), xs, params)()
-    for backend in ("auto", "pallas" if registry.on_gpu() else "interpret", "engine"):
+    kernels = "pallas" if registry.on_gpu() else "interpret"
+    for backend in ("auto", kernels, *(("engine",) if tp > 1 else ())):
         got = timing.chain_program(layer(backend, tp), xs, params)()
         for one, ref in zip(got, want):
             for field in (0, 1):  # ids, weights
@@ -209,8 +208,8 @@ def main() -> None:
         batches = args.batches if tp == 1 else args.rank_batches
         for batch in (int(b) for b in batches.split(",")):
             for backend in args.backends.split(","):
-                if backend == "engine" and batch > 64:
-                    continue  # the engine covers B <= 64
+                if backend == "engine" and (batch > 64 or tp == 1):
+                    continue  # the engine covers B <= 64; at tp1 it is "pallas"
                 try:
                     row = measure(backend, tp, batch, params, args.calls)
                 except Exception as error:  # one variant's failure is a row, not the end of the run
