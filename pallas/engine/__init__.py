@@ -1,4 +1,4 @@
-"""The streaming engine (issue 38): one Mosaic GPU launch streams a stack of weight row regions
+"""The streaming engine: one Mosaic GPU launch streams a stack of weight row regions
 against ``x``, each with its own epilogue: the front GEMM, the merged front (front and the shared
 expert's gate/up) and the shared expert's down."""
 
