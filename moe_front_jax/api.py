@@ -169,9 +169,10 @@ def moe_front(
         measured on one GPU only).
 
     Where the params hold a shared expert and the streaming engine's kernels run (``"pallas"`` or
-    ``"interpret"``, ``B <= 64``, no mailbox), the front is merged: one launch over ``[router;
-    latent; gate; up]`` (the plan in its epilogue), routing, then the shared expert's down
-    (``registry.STAGES["front_gate_up"]``).
+    ``"interpret"``, ``B <= 64``, tp = 1), the front is merged: one launch over ``[router; latent;
+    gate; up]`` (the plan in its epilogue, or with a mailbox from the collect), routing, then the
+    shared expert's down (``registry.STAGES["front_gate_up"]``); with a mailbox its logits and
+    latent are published after it, so the mailbox path keeps the direct path's bits.
 
     Returns:
       ``FrontOutput(ids, weights, latent, logits, shared, plan, status, dispatch)``; with a
@@ -222,14 +223,24 @@ def moe_front(
     status = jnp.zeros((), jnp.int32)
     planned = None
     gemm_args = (x, params.packed, params.split, cfg.experts_per_rank)
-    # The front GEMM with the plan in its epilogue, where its kernel runs; else the plan stage after.
-    plan_gemm = plan and registry.choose("front_gemm_plan", backend, *gemm_args, cfg.plan_block).kernel
+    # The merged front: one launch over [router; latent; gate; up], then the down. With a mailbox
+    # the plan comes from the collect, as on every mailbox path.
+    merged_plan = plan and mailbox is None
+    merged = merged_front(x, params, backend, merged_plan)
+    if merged:
+        logits, latent, planned, hidden = registry.run("front_gate_up", backend, *gemm_args,
+                                                       params.gate_up, cfg, plan=merged_plan)
+    # Else the front GEMM with the plan in its epilogue, where its kernel runs, or the plan stage.
+    plan_gemm = (plan and not merged and
+                 registry.choose("front_gemm_plan", backend, *gemm_args, cfg.plan_block).kernel)
     if mailbox is not None:
-        # Where the front GEMM's kernel runs, it publishes from its epilogue with the direct path's
-        # schedule (so its bits): no publish kernel, no logits or latent written first.
+        # Where the front GEMM's kernel runs (unmerged), it publishes from its epilogue with the
+        # direct path's schedule (so its bits): no publish kernel, no logits or latent written
+        # first. Merged, the merged front's logits and latent are published, as the direct path's.
         box = (mailbox.buffer, mailbox.control, mailbox.tickets, cfg)
         block = cfg.plan_block if plan_gemm else None
-        if registry.choose("front_gemm_publish", backend, *gemm_args, *box, plan_block=block).kernel:
+        if not merged and registry.choose("front_gemm_publish", backend, *gemm_args, *box,
+                                          plan_block=block).kernel:
             (ids, weights, logits, latent, planned, status, dispatched,
              mailbox) = mailboxes.gemm_exchange_route(
                 mailbox, x, params.packed, params.bias, split=params.split,
@@ -237,29 +248,24 @@ def moe_front(
                 permute=permute,
             )
         else:
-            logits, latent = registry.run("front_gemm", backend, *gemm_args)
+            if not merged:
+                logits, latent = registry.run("front_gemm", backend, *gemm_args)
             ids, weights, logits, latent, planned, status, dispatched, mailbox = (
                 mailboxes.exchange_route(mailbox, logits, latent, params.bias, backend=backend,
                                          plan=plan, permute=permute))
-    elif merged_front(x, params, backend, plan):
-        # One launch over [router; latent; gate; up] (the plan in its epilogue), then the down.
-        logits, latent, planned, hidden = registry.run("front_gate_up", backend, *gemm_args,
-                                                       params.gate_up, cfg, plan=plan)
-        ids, weights, dispatched = route_stage(logits, params.bias, cfg, backend, permute)
-        shared = registry.run("shared_down", backend, hidden, params.down, jnp.bfloat16)
-        return FrontOutput(ids, weights, latent, logits, shared, planned, status,
-                           as_dispatch(dispatched))
     else:
         if plan_gemm:
             logits, latent, planned = registry.run("front_gemm_plan", backend, *gemm_args,
                                                    cfg.plan_block)
-        else:
+        elif not merged:
             logits, latent = registry.run("front_gemm", backend, *gemm_args)
             if plan:
                 planned = registry.run("plan", backend, latent, cfg.plan_block)
         ids, weights, dispatched = route_stage(logits, params.bias, cfg, backend, permute)
     shared = None
-    if params.has_shared:
+    if merged:
+        shared = registry.run("shared_down", backend, hidden, params.down, jnp.bfloat16)
+    elif params.has_shared:
         shared = registry.run("shared_expert", backend, x, params.gate_up, params.down, cfg,
                               jnp.bfloat16)
     out = FrontOutput(ids, weights, latent, logits, shared, planned, status,

@@ -441,6 +441,29 @@ def test_moe_front_merged_meets_the_contract(batch):
         np.testing.assert_array_equal(bits(g), bits(w))
 
 
+@pytest.mark.parametrize("plan", [False, True])
+def test_moe_front_merged_through_a_mailbox_keeps_the_direct_bits(plan):
+    """Through a mailbox the merged front's logits and latent are published after it (its plan
+    off, the collect's on; the same tiling, so the same sums): ids, weights, logits and latent
+    equal the direct merged path's (-0 canonicalized to +0, which these rows do not hold), the
+    plan is the reference's of the latent, the shared output is the same."""
+    weights, cfg = small_params()
+    params = mf.pack_params(weights, cfg)
+    x = jax.random.normal(jax.random.key(11), (6, HIDDEN)).astype(jnp.bfloat16)
+    assert api.merged_front(x, params, "interpret", False)
+    front = jax.jit(mf.moe_front, static_argnames=("plan", "backend"))
+    want = front(x, params, plan=plan, backend="interpret")
+    got, _ = front(x, params, plan=plan, backend="interpret",
+                   mailbox=mf.Mailbox.create(cfg, capacity=8))
+    assert int(got.status) == 0
+    for field in ("ids", "weights", "logits", "latent", "shared"):
+        np.testing.assert_array_equal(bits(getattr(got, field)), bits(getattr(want, field)), field)
+    assert (got.plan is None) == (not plan)
+    if plan:
+        for g, w in zip(got.plan, reference.mxfp8_plan(want.latent, cfg.plan_block)):
+            np.testing.assert_array_equal(bits(g), bits(w))
+
+
 def test_moe_front_under_tp_stays_unmerged():
     """One rank's front under tensor parallelism takes the separate stages (Mosaic GPU's interpret
     mode cannot run under a ``shard_map`` of several devices): the sharded path under

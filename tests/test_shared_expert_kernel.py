@@ -137,7 +137,8 @@ def route_any(logits, bias, cfg, *, interpret):
 
 
 def test_moe_front_runs_the_kernel_under_interpret(monkeypatch):
-    """moe_front with shared-expert weights calls the Pallas shared expert (interpret), once."""
+    """moe_front with shared-expert weights, past the merged front's 64 rows, calls the Pallas
+    shared expert (interpret), once."""
     calls = []
     real = se.shared_expert
 
@@ -152,14 +153,14 @@ def test_moe_front_runs_the_kernel_under_interpret(monkeypatch):
     registry._load.cache_clear()
     cfg = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=128, top_k=16, latent=256, shared=96)
     params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg), cfg)
-    x = jax.random.normal(jax.random.key(1), (5, SMALL_HIDDEN)).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (65, SMALL_HIDDEN)).astype(jnp.bfloat16)
     try:
         got = jax.jit(lambda x, p: mf.moe_front(x, p, backend="interpret"))(x, params)
     finally:
         registry._load.cache_clear()
     assert calls == [{"interpret": True}]
     want = mf.moe_front(x, params, backend="xla")
-    assert got.shared.dtype == jnp.bfloat16 and got.shared.shape == (5, SMALL_HIDDEN)
+    assert got.shared.dtype == jnp.bfloat16 and got.shared.shape == (65, SMALL_HIDDEN)
     assert_close_to_float64(got.shared, want.shared, 2.0**-6)
 
 

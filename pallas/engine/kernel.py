@@ -520,12 +520,15 @@ def _check_gate_up(x, gate_up) -> None:
 
 
 def _front_config(x, packed, split, valid, gate_up_rows: int, plan_block: int,
-                  config: EngineConfig | None) -> EngineConfig:
+                  config: EngineConfig | None, tiling_block: int = 0) -> EngineConfig:
+    """The launch's tiling (``config``, else the heuristic's, its latent CTAs a multiple of
+    ``tiling_block or plan_block`` rows), checked against the regions."""
     shard = packed.shape[0] - split
     depth = x.shape[1]
     if config is None:
         config = heuristic_config(x.shape[0], depth, router=valid, latent=shard,
-                                  gate_up=gate_up_rows, plan_block=plan_block, cores=core_count())
+                                  gate_up=gate_up_rows, plan_block=tiling_block or plan_block,
+                                  cores=core_count())
     _check_depth(depth, config, "hidden")
     _check_cut("router", valid, config.router_rows)
     _check_cut("latent", shard, config.latent_rows)
@@ -577,7 +580,14 @@ def covers_front_gate_up(x, packed, split, valid, gate_up, cfg, *, plan=False, c
         raise ValueError(f"the latent shard's {shard_of(packed, split)} rows must be a multiple of "
                          f"cfg.plan_block={cfg.plan_block}")
     _front_config(x, packed, split, valid, gate_up.shape[0] // 2,
-                  cfg.plan_block if plan else 0, config)
+                  cfg.plan_block if plan else 0, config, _tiling_block(packed, split, cfg))
+
+
+def _tiling_block(packed, split: int, cfg: FrontConfig) -> int:
+    """The merged front's heuristic tiles the latent in whole plan blocks whether or not the plan
+    is written, so that a call with the plan and one without sum in the same order (the mailbox
+    path, which plans after the collect, keeps the direct path's bits)."""
+    return cfg.plan_block if shard_of(packed, split) % cfg.plan_block == 0 else 0
 
 
 def shard_of(packed, split: int) -> int:
@@ -662,7 +672,8 @@ def front_gate_up(x, packed, split: int, valid: int, gate_up, cfg: FrontConfig, 
     """
     covers_front_gate_up(x, packed, split, valid, gate_up, cfg, plan=plan, config=config)
     s_r = gate_up.shape[0] // 2
-    config = _front_config(x, packed, split, valid, s_r, cfg.plan_block if plan else 0, config)
+    config = _front_config(x, packed, split, valid, s_r, cfg.plan_block if plan else 0, config,
+                           _tiling_block(packed, split, cfg))
     batch, shard = x.shape[0], packed.shape[0] - split
     xp = _pad_rows(x)
     bp = xp.shape[0]
