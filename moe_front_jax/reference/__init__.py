@@ -6,10 +6,11 @@ tensor parallelism (the exchange, the shared expert's reduction) lives in ``moe_
 
 | SPEC | module | functions |
 | --- | --- | --- |
-| 3 | ``gemm`` | ``front_gemm``, ``front_gemm_plan``, ``front_gate_up`` (3 with 5 and 6) |
+| 3 | ``gemm`` | ``front_gemm``, ``front_gemm_plan``, ``front_gate_up`` (with 5 and 6's first half) |
 | 4 | ``routing`` | ``route``, ``permutation`` (4.1), ``ordered_key``, ``tree_sum``, ``routing_weights`` |
 | 5 | ``plan`` | ``mxfp8_plan``, ``plan_scale_exponent``, ``e8m0_scale_down`` |
-| 6 | ``shared`` | ``shared_expert`` (``shared_hidden``, then ``shared_down``), ``situ``, ``round_to_bfloat16`` |
+| 6 | ``shared`` | ``shared_expert`` (``shared_hidden`` -> ``shared_down``), ``situ``, |
+| | | ``round_to_bfloat16`` |
 | 7 | ``mailbox`` | ``publish``, ``collect`` and the row layout |
 """
 

@@ -58,8 +58,9 @@ def front_gate_up(
       plan: also return the latent shard's MXFP8 plan.
 
     Returns:
-      ``(logits, latent_shard, plan_or_None, hidden)``: ``front_gemm``'s two, ``mxfp8_plan(latent_shard,
-      cfg.plan_block)`` or None, and ``shared_hidden(x, gate_up, cfg)`` ``[B, S_r]`` bfloat16.
+      ``(logits, latent_shard, plan_or_None, hidden)``: ``front_gemm``'s two,
+      ``mxfp8_plan(latent_shard, cfg.plan_block)`` or None, and ``shared_hidden(x, gate_up, cfg)``
+      ``[B, S_r]`` bfloat16.
     """
     logits, latent = front_gemm(x, packed, split, valid)
     planned = mxfp8_plan(latent, cfg.plan_block) if plan else None

@@ -43,7 +43,9 @@ def shared_hidden(x: jax.Array, gate_up: jax.Array, cfg: FrontConfig) -> jax.Arr
     return situ(gate, up, cfg.situ_beta, cfg.linear_beta)
 
 
-def shared_down(hidden: jax.Array, down: jax.Array, out_dtype: jnp.dtype = jnp.bfloat16) -> jax.Array:
+def shared_down(
+    hidden: jax.Array, down: jax.Array, out_dtype: jnp.dtype = jnp.bfloat16
+) -> jax.Array:
     """The shared expert's second half: ``hidden @ down.T`` ``[B, H]`` in ``out_dtype`` from
     ``hidden`` ``[B, S_r]`` and ``down`` ``[H, S_r]``, float32 accumulation."""
     out = lax.dot_general(hidden, down, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
