@@ -29,7 +29,8 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, say how long it too
 # (test_notebook.py holds no GPU test and needs nbformat, which the GPU image lacks.)
 step gpu_tests bash -c 'cd tests && python3 -m pytest -q -m gpu -rs -p no:cacheprovider --ignore=test_notebook.py .'
 step decode python3 examples/decode.py --batch 1 64 --steps 3 --backend pallas
-for bench in ${BENCHES:-route front_gemm shared_expert plan mailbox}; do
+BENCHES=${BENCHES:-front route front_gemm shared_expert plan mailbox}
+for bench in $BENCHES; do
   step "bench_$bench" python3 "benchmarks/bench_$bench.py" --out "$OUT"
 done
 # The stages timed against XLA (the mailbox has no XLA counterpart on one GPU: its table says what it adds).
@@ -40,7 +41,7 @@ plotted=$(for b in route front_gemm shared_expert plan; do [ -f "$OUT/bench_$b.j
 step plot python3 benchmarks/plot.py $plotted -o "$OUT/front.png" --table
 
 for log in gpu_tests decode; do echo; echo "== $log (tail)"; tail -n 12 "$OUT/$log.log"; done
-for bench in ${BENCHES:-route front_gemm shared_expert plan mailbox} ; do
+for bench in $BENCHES; do
   echo; echo "== bench_$bench (table)"; sed -n '/^$/,$p' "$OUT/bench_$bench.log" | tail -n 45
 done
 echo; echo "== plot"; cat "$OUT/plot.log"
