@@ -1,4 +1,4 @@
-"""Tensor parallelism of the MoE front with ``jax.shard_map`` .
+"""Tensor parallelism of the MoE front with ``jax.shard_map``.
 
 Each device of a mesh axis (default ``"tp"``, ``tp`` devices) holds its router rows (``E/tp``), its
 latent down-projection rows (``L/tp``) and its slice of the shared expert (``S/tp``). A call runs the
