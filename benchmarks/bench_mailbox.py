@@ -1,46 +1,24 @@
-"""The Lamport mailbox path of ``moe_front`` against the direct path, on the GPU (issue 5).
+"""The Lamport mailbox path of ``moe_front`` against the direct path, on the GPU.
 
-Target: the mailbox adds at most 2 us per call at B <= 64 on the H200. For each B in {1, 8, 64, 256}
-the script times, with CUPTI (summed kernel time per call), in one process:
+Target: the mailbox adds at most 2 us per call at B <= 64 on the H200. For each B in {1, 8, 64, 256},
+CUPTI kernel time per call, in one process: ``direct`` (``moe_front`` on ``"auto"``) and ``mailbox``
+(the same with a donated box threaded from call to call); ``separate`` and ``fused``, the mailbox
+path by hand (XLA's GEMM and the publish kernel, then the collect and routing kernels, or the routing
+kernel polling the mailbox itself, ``pallas/route_collect``); ``exchange``, the mailbox alone
+(publish + collect); ``direct_plan`` and ``mailbox_plan`` with ``plan=True``; ``direct_pallas``,
+``mailbox_pallas``, ``separate_pallas`` and ``fused_pallas`` on ``backend="pallas"``, where the front
+GEMM kernel publishes from its epilogue (``front_gemm_publish``, no publish kernel). Three weight
+copies (3 x 64 MB, over the L2) and three inputs rotate; no input is zero. Also measured: how long a
+collect and a ``route_collect`` on a never-published mailbox take to return their timeout status.
+``--variants`` first sweeps the kernels' block sizes; ``--chunks 256,512`` ``route_collect``'s latent
+chunk (``route_collect.kernel.LATENT_CHUNK``).
 
-- ``direct``: ``jax.jit(moe_front)(x, params)`` on ``"auto"`` (the front GEMM where the auto table
-  puts it: XLA's before c1dd978 (2026-12-03); then the routing kernel);
-- ``mailbox``: ``jax.jit(moe_front, donate_argnames="mailbox")(x, params, mailbox=box)``, the box
-  threaded from call to call as a decode loop does;
-- ``separate`` and ``fused``: the mailbox path composed by hand, XLA's GEMM and the publish kernel,
-  then the collect and routing kernels (``separate``) or the routing kernel polling the mailbox
-  itself (``fused``, ``pallas/route_collect``);
-- ``exchange``: the mailbox alone (``moe_front_jax.mailbox.exchange``: publish + collect), and its
-  two kernels;
-- ``direct_plan`` and ``mailbox_plan``: both paths with ``plan=True`` (issue 7: the plan adds at most
-  1 us to the latent write), the direct path planning with the plan kernel after XLA's GEMM, the
-  mailbox path from the collecting kernel;
-- ``direct_pallas`` and ``mailbox_pallas``: both paths on ``backend="pallas"``, where the front GEMM
-  is the Pallas kernel at every batch and the mailbox path publishes from its epilogue
-  (``front_gemm.front_gemm_publish``: no publish kernel); ``"auto"`` does the same at the shapes
-  where it runs the GEMM kernel; ``separate_pallas`` and ``fused_pallas`` as above after
-  ``front_gemm_publish``.
+``--transports`` times instead the exchange alone per transport, for tp = 1 and every power of two up
+to the GPU count, at B in {1, 8, 64}, Kimi-K3 shards on a ``"tp"`` mesh: ``allgather``
+(``parallel.exchange``, XLA's all-gather), ``peer`` (the Mosaic GPU peer-store publish and the
+collect) and, at tp = 1, ``gather`` (the jax-triton publish and collect); CUPTI time per call over tp.
 
-Three weight copies (3 x 64 MB, over the 60 MB L2) and three inputs rotate; no input is zero. Also
-measured: how long a collect, and a ``route_collect``, on a never-published mailbox take to return
-their timeout status.
-``--variants`` first sweeps the kernels' block size (chunks per program, warps); ``--chunks 256,512``
-first times ``route_collect`` per latent chunk (``route_collect.kernel.LATENT_CHUNK``).
-
-``--transports`` times instead the exchange alone per transport (issue 9), for tp = 1 and every power
-of two up to the GPU count, at B in {1, 8, 64}, with shards of Kimi-K3 sizes, on a ``"tp"`` mesh:
-
-- ``allgather``: ``parallel.exchange`` under ``jax.shard_map``, the XLA all-gather of the packed rows
-  (NCCL across GPUs) and its unpacking;
-- ``peer``: ``mailbox.exchange(..., transport="peer")``, the Mosaic GPU peer-store publish into every
-  rank's mailbox and the collect, mailboxes threaded and donated as in a decode loop;
-- ``gather`` (tp = 1 only): the default transport, the jax-triton publish and the collect.
-
-Times are CUPTI's summed kernel time per call divided by tp (the mean device time of one call, waits
-for peers included).
-
-Run on the GPU (after ``source benchmarks/gpu_env.sh`` at the repository root):
-  python3 benchmarks/bench_mailbox.py --out $OUT [--variants | --transports]
+  python3 benchmarks/bench_mailbox.py --out $OUT [--variants | --transports]   # after gpu_env.sh
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """Plot the benchmark results: time per call against batch size, one panel per stage.
 
-Reads the JSON files the benchmark scripts write (format below and in benchmarks/README.md), merges
-them, and writes a PNG: for each stage a panel with the batch size on a log axis, our Pallas kernel
-(solid) beside XLA (dotted) for every tp, and the memory floor of the same tp dashed. With
-``--table`` it prints a markdown table (time, ratio to XLA, fraction of the floor) and writes the
-figure only where ``-o`` is given. ``bench_mailbox.py``'s files (a ``batches`` list, no ``rows``) get
-a table of their own: the direct path and the mailbox path per backend, and what the mailbox adds.
+Reads the JSON files the benchmark scripts write (benchmarks/README.md, "Result format": ``rows`` of
+``stage``, ``backend``, ``tp``, ``batch``, ``time_us`` and ``bytes``, and a ``floors`` entry per
+stage with its ``bandwidth_gbs``), merges them, and writes a PNG: for each stage a panel with the
+batch size on a log axis, our Pallas kernel (solid) beside XLA (dotted) for every tp, and the memory
+floor of the same tp dashed, ``bytes / (bandwidth_gbs * 1e3)`` microseconds. With ``--table`` it
+prints a markdown table (time, ratio to XLA, fraction of the floor) and writes the figure only where
+``-o`` is given. ``bench_mailbox.py``'s files (a ``batches`` list, no ``rows``) get a table of their
+own: the direct path and the mailbox path per backend, and what the mailbox adds.
 ``--bandwidth-gbs`` replaces every stage's floor (a device whose files carry another's ceiling).
-
-Result format (one JSON object per file)::
-
-  {
-    "device": "NVIDIA H200",                        # optional, shown in the title
-    "rows": [                                       # one timed configuration each
-      {"stage": "front_gemm", "backend": "pallas",  # backend: "pallas" or "xla"
-       "tp": 1, "batch": 8,                         # ranks and decode rows of the call
-       "time_us": 21.4,                             # device time per call, microseconds
-       "bytes": 64225280}                           # bytes one call must move (its roofline count)
-    ],
-    "floors": {                                     # the bandwidth that bounds each stage
-      "front_gemm": {"bandwidth_gbs": 4650, "label": "HBM read 4.65 TB/s"}
-    }
-  }
-
-A stage's floor at a batch size is ``bytes / bandwidth``: ``bytes / (bandwidth_gbs * 1e3)``
-microseconds. Every stage in ``rows`` needs a floor; two files may repeat a stage's floor only with
-the same values.
+Every stage in ``rows`` needs a floor; two files may repeat a stage's floor only with the same values.
 
 Usage::
 

@@ -85,7 +85,7 @@ def packed_weights(shape: FrontShape, seed: int = 0) -> list[jax.Array]:
 
 
 LOGITS_RTOL = 1e-5
-"""The logits' bound against a float64 product (issue 4), relative to ``max(|y|, the row's RMS)``;
+"""The logits' bound against a float64 product, relative to ``max(|y|, the row's RMS)``;
 the latent's is one bfloat16 ulp at that magnitude. The GPU test holds the kernel to the same."""
 
 

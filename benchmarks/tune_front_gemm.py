@@ -3,9 +3,9 @@
 For every tp shape of K3 and every batch rounded up to a power of two (1 ... 256) it compiles the
 schedule the key runs now (``--table``'s entry, else the package's pick on this device; not under
 ``--refine``) and a pruned set of schedules (rows per program, K step, split-K, warps, pipeline
-depth, stream-K programs; up to B = 8 the vector schedules too), checks each against a float64 product of the same
-data (issue 4's bounds, which XLA's product is checked against too), times the correct ones with
-CUPTI over weights rotated past the L2, and keeps the fastest.
+depth, stream-K programs; up to B = 8 the vector schedules too), checks each against a float64
+product of the same data (the GPU tests' bounds, ``timing.LOGITS_RTOL``, which XLA's product meets
+too), times the correct ones with CUPTI over weights rotated past the L2, and keeps the fastest.
 
   python benchmarks/tune_front_gemm.py --out $OUT [--table pallas/tuning/nvidia-h200/front_gemm.json]
   python benchmarks/tune_front_gemm.py --batches 1,2,4,8 --merge --table ...   (add keys to a table)

@@ -35,9 +35,10 @@ class Dispatch(NamedTuple):
 
     Example::
 
-      rows = latent[registry.order // K]                          # [B * K, L], grouped by expert
-      h = jax.lax.ragged_dot(rows, w, registry.group_sizes)       # w: [E, L, N]
-      per_slot = h[registry.inverse].reshape(B, K, N)             # back to (token, rank)
+      dispatch = out.dispatch                                     # moe_front(..., permute=True)
+      rows = latent[dispatch.order // K]                          # [B * K, L], grouped by expert
+      h = jax.lax.ragged_dot(rows, w, dispatch.group_sizes)       # w: [E, L, N]
+      per_slot = h[dispatch.inverse].reshape(B, K, N)             # back to (token, rank)
     """
 
     order: jax.Array
@@ -150,8 +151,9 @@ def moe_front(
       plan: also return the MXFP8 copy of the latent (``FrontOutput.plan``).
       permute: also return the dispatch order of SPEC section 4.1 (``FrontOutput.dispatch``):
         where the routing kernel runs, it writes the order in the same launch as the top-k.
-      backend: ``"auto"`` (Pallas kernels on a GPU, the XLA reference elsewhere), ``"xla"``,
-        ``"pallas"`` or ``"interpret"`` (the Pallas kernels in interpret mode).
+      backend: ``"auto"`` (on a GPU each stage's kernel where ``registry.STAGES`` prefers it, by
+        measured tables; the reference elsewhere), ``"xla"`` (the reference), ``"pallas"`` (the
+        kernels) or ``"interpret"`` (the Pallas kernels in interpret mode).
       axis_name: inside the caller's own ``jax.shard_map``: the mesh axis of the ``params.cfg.tp``
         ranks, ``params`` being this rank's (with Pallas kernels that ``shard_map`` needs
         ``check_vma=False``). See ``moe_front_jax.parallel``.

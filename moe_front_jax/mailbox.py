@@ -3,8 +3,9 @@
 A mailbox row per token carries every tensor-parallel rank's logits and latent shard (SPEC section 7;
 the layout and the plain-JAX protocol are ``moe_front_jax.reference.mailbox``). Each implementation is
 asked of ``registry``: the jax-triton publish and collect (``bridge.triton_mailbox``), the front GEMM
-publishing from its epilogue (tp = 1), the routing kernel polling the rows itself (with the plan), the
-peer-store publish across GPUs (``bridge.peer_mailbox``), or the plain-JAX protocol.
+publishing from its epilogue (tp = 1), the routing kernel polling the rows itself (with the plan), or
+the plain-JAX protocol; ``exchange`` calls the peer-store publish across GPUs
+(``bridge.peer_mailbox``) itself for ``transport="peer"``.
 
 Why the immediate re-arm never erases a later step's value: on one device publish(t), collect(t) and
 publish(t+1) are kernels on one stream, and jax-triton's kernels never trigger programmatic dependent
@@ -18,8 +19,9 @@ leaves them zero), so no zeroing kernel runs before the GEMM. Polling is bounded
 holds the sentinel after the spin limit is a timeout, the status says ``TIMEOUT`` and the rows are
 re-armed anyway; a caller that sees it should replace the mailbox, since a late writer may still land.
 
-Cost: a publish writes ``4 B (L/2 + E) / tp`` bytes per rank, a collect moves ``12 B (L/2 + E)``:
-1.0 us at B = 64 for Kimi-K3 at the H200's copy ceiling; at decode sizes the kernels cost their launch.
+Cost: a publish writes ``4 B (L/2 + E) / tp`` bytes per rank; a collect reads ``4 B (L/2 + E)``,
+writes as many out and as many again to re-arm, ``12 B (L/2 + E)`` moved: 2.1 MB, 0.6 us at B = 64
+for Kimi-K3 at the H200's copy ceiling; at decode sizes the kernels cost their launch.
 """
 
 from __future__ import annotations

@@ -320,7 +320,7 @@ K3_TILING = {
 def test_heuristic_tiling_at_k3_shapes(tp):
     """Every region cut evenly, the accumulators within registers, the ring within shared memory;
     the merged front at most one wave and a bit (tp1: 140 CTAs whose 8 extra router CTAs follow
-    the shortest ones) and tp8's 131 CTAs of 16 rows (the issue's figure)."""
+    the shortest ones) and tp8's 131 CTAs of 16 rows."""
     cfg = K3.with_tp(tp)
     valid, shard, s_r = cfg.experts_per_rank, cfg.latent_per_rank, cfg.shared_per_rank
     for batch in (1, 8, 37, 64):

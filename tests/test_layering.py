@@ -114,7 +114,7 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_walk_sees_every_kind_of_edge(graph):
-    # A static import, an import inside a function, and dispatch's importlib strings.
+    # A static import, an import inside a function, and registry's importlib strings.
     assert "moe_front_jax.registry" in graph["moe_front_jax.api"]
     assert "moe_front_jax.bridge.peer_mailbox" in graph["moe_front_jax.mailbox"]
     assert "moe_front_jax.pallas.route" in graph["moe_front_jax.registry"]

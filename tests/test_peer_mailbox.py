@@ -1,4 +1,4 @@
-"""The peer-store transport of the Lamport mailbox (issue 9): CPU lowering and protocol, GPU runs.
+"""The peer-store transport of the Lamport mailbox: CPU lowering and protocol, GPU runs.
 
 On the CPU: the Mosaic GPU publish lowers for one H200 (a rank storing to itself) and for eight
 (peer pointers from XLA's collective metadata, no NVSHMEM, no multicast), and a plain-JAX model of

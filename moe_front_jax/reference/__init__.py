@@ -1,7 +1,8 @@
 """The plain-JAX reference of every stage of the MoE front, one module per SPEC section.
 
-Plain ``jax.numpy``/``lax``, exact to SPEC.md: the oracle every kernel is tested against and the
-backend ``"xla"`` (and ``"auto"`` off the GPU) runs. Each function works on one device's arrays;
+Plain ``jax.numpy``/``lax``, exact to SPEC.md: the oracle every kernel is tested against, what
+``"xla"`` runs, and whatever ``"auto"`` and ``"interpret"`` do not hand to a kernel
+(``registry.choose``). Each function works on one device's arrays;
 tensor parallelism (the exchange, the shared expert's reduction) lives in ``moe_front_jax.parallel``.
 
 | SPEC | module | functions |
@@ -11,7 +12,8 @@ tensor parallelism (the exchange, the shared expert's reduction) lives in ``moe_
 | 5 | ``plan`` | ``mxfp8_plan``, ``plan_scale_exponent``, ``e8m0_scale_down`` |
 | 6 | ``shared`` | ``shared_expert`` (``shared_hidden`` -> ``shared_down``), ``situ``, |
 | | | ``round_to_bfloat16`` |
-| 7 | ``mailbox`` | ``publish``, ``collect`` and the row layout |
+| 7 | ``mailbox`` | ``publish``, ``collect``, ``gemm_publish``, ``collect_route_plan``, the row |
+| | | layout |
 """
 
 from moe_front_jax.reference import mailbox

@@ -12,8 +12,8 @@ either half of a latent word +0. Routing cannot see it (``sigmoid(-0.0) == sigmo
 of a -0 latent value becomes ``0x00`` instead of ``0x80``. A collect that finds a sentinel reports
 ``TIMEOUT``. Why the immediate re-arm is safe, and the GPU kernels: ``moe_front_jax.mailbox``.
 
-Cost: a publish writes ``4 B (L/2 + E) / tp`` bytes per rank; a collect reads and re-arms
-``4 B (L/2 + E)`` bytes.
+Cost: a publish writes ``4 B (L/2 + E) / tp`` bytes per rank; a collect reads ``4 B (L/2 + E)``
+bytes, writes as many out and as many again to re-arm.
 """
 
 from __future__ import annotations

@@ -1,65 +1,27 @@
-"""Exact top-k routing as one Pallas Triton kernel (SPEC section 4).
+"""Exact top-k routing as one Pallas Triton kernel (SPEC section 4), with the dispatch order of
+SPEC section 4.1 in the same launch.
 
 ``route(logits, bias, cfg)``: per row of ``logits`` ``[B, E]`` float32, ``s = sigmoid(logits)``,
 ``key = s + bias``, ``ids`` the ``top_k`` experts by ``ordered(key)`` (ties to the lower id, NaN
 lowest, always ``top_k`` distinct ids), ``weights = bf16((s[ids] * scale) / (tree_sum + 1e-20))``:
-``reference.route``'s ids and weight bits.
+``reference.route``'s ids and weight bits. A program holds ``block_rows`` rows in registers, padded to
+``lanes`` (the next power of two), keys as order-preserving int32; the ``"argmax"`` selection takes
+``top_k`` dependent argmax rounds, ``"groups"`` ranks group maxima (8 reductions for K3 against 16);
+the table or the heuristic picks. Triton's ``/`` is approximate: both divisions are ``div.rn.f32``
+(``_div``). Why Triton: its ``argmax`` is the (value, index) reduction the selection needs; Mosaic
+GPU has no argmax, sort or cumsum in jax 0.11.2.
 
-Schedule. A program holds ``block_rows`` rows in registers, padded with masked lanes to ``lanes``,
-the next power of two (896 -> 1024). Keys become order-preserving int32 (NaN ``NAN_KEY``, padding and
-chosen lanes ``PAD_KEY``, both below every number). Two selections find the same ids: ``"argmax"``
-(``select_ranked``: ``top_k`` dependent argmax rounds, ties to the lower lane) and ``"groups"``
-(``select_grouped``: group maxima ranked pairwise, the best groups narrowed twice; 8 reductions for
-K3 against argmax's 16 rounds), which the table and the heuristic pick. The weights gather the chosen logits
-back, recompute their sigmoids and divide by their pairwise tree sum.
+``permute=True``: a counting sort through a bitmap in global memory (Triton has no sort, register
+gather or scatter-add): every program marks its (token, expert) bits and takes a ticket, and the last
+one turns the bitmap into ``group_sizes``, ``inverse`` and ``order`` (``mark_tokens``,
+``finish_permutation``). Integer arithmetic only: the bits are ``reference.routing.permutation``'s
+on any schedule. ``permutation`` runs the same steps over given ids (after ``route_collect``).
 
-Why Pallas' Triton lowering: its ``argmax`` is the (value, index) reduction the selection needs, and
-Mosaic GPU has no argmax, sort or cumsum in jax 0.11.2. Triton lowers float32 ``/`` to the approximate
-``div.full.f32``, so both divisions are inline ``div.rn.f32`` (``_div``). In interpret mode the body
-runs as XLA, with barriers that keep its simplifier from reordering the tree sum or the division.
-
-Cost per call (``route_bytes``): 4BE logits + 4E bias + 4BK chosen logits again (L1/L2) + 6BK ids and
-weights, 3.7 KB a K3 row (0.8 ns at 4.65 TB/s); FLOPs about B * E * (sigmoid, add, a few integer
-compares per reduction). Latency-bound: the floor is a launch, a load and a store, about 1 us (the
-plan kernel's 0.93). Measured on the H200 with ``pallas/tuning/nvidia-h200/route.json``'s schedules:
-3.33 us at B=1, 3.55 at 64, 4.51 at 256, 3.6-3.9x XLA's route (docs/findings.md).
-
-The dispatch order (``permute=True``, SPEC section 4.1), in the same launch. Triton's lowering has no
-sort, gather from registers or scatter-add, so the order is a counting sort through a bitmap in global
-memory (``workspace``, zeroed by XLA: one memset before the launch), in three steps:
-
-1. Each program, once its ids are stored, marks its tokens: for token ``t`` and each chosen expert
-   ``e``, an atomic or of ``1 << (t % 32)`` into word ``(t // 32, e)`` (``mark_tokens``; a token
-   holds an expert once, so the bits are distinct). Then it takes a ticket: a CTA barrier and an
-   acquire-release atomic add on the ticket word, as ``gemm.triton.finish_split_k`` hands a tile to
-   its last program. With one program (B <= block_rows) there is no ticket, only the barrier.
-2. The program that draws the last ticket (``finish_permutation``) reads the bitmap's ``W =
-   ceil(B / 32)`` columns of ``lanes`` words and popcounts them: ``group_sizes`` is the sum over
-   columns; an exclusive ``cumsum`` over experts (Triton's scan) gives each expert's start; each
-   column's running start (``prefix[w, e]``: the start of ``e`` plus its slots of tokens below
-   ``32 w``) goes to a scratch output, then a CTA barrier.
-3. Then, in chunks of ``PERMUTE_CHUNK`` rows, it reads the ids back and, for slot ``s = t K + r`` of
-   expert ``e``: ``inverse[s] = prefix[t // 32, e] + popcount(word(t // 32, e) & ((1 << t % 32) -
-   1))`` (two gathers from global memory), then scatters ``order[inverse[s]] = s``.
-
-The last program's plain loads see every program's writes after the ticket's acquire: no line of the
-bitmap (touched only by atomics, at L2) or of the ids (only stored) can sit in its SM's L1 before it
-reads them (``finish_split_k``'s argument; Pallas' ``.cg`` cache modifier does not lower in jax
-0.11.2: its lookup table is keyed ``"cg"``, its check ``".cg"``).
-
-Every step is integer arithmetic on the ids: the bits do not depend on the schedule, the arrival order
-or the device, and equal ``reference.routing.permutation``'s. Interpret mode runs the same steps, its
-marks as atomic adds one row at a time (``mark_tokens`` says why).
-
-Cost of the order (``permute_bytes``, all of it L2-resident): ``4 (lanes W + 2)`` bytes zeroed,
-``4BK`` of atomic ors, then by the last program ``8 lanes W`` read (the bitmap twice), ``4 lanes W``
-prefix written, ``4E`` group sizes, ``4BK`` ids read, ``8BK`` gathered, ``8BK`` inverse and order
-written: ``16 lanes W + 24BK + 4E + 8`` bytes, 20 KB at B = 1 and 233 KB at B = 256 for K3. Its
-latency is the last program's: one CTA's L2 round trips (``2 + 3 ceil(B / PERMUTE_CHUNK)``
-dependent steps) after the slowest program's ticket. Not yet measured on a GPU
-(``benchmarks/bench_route.py`` times it beside routing alone and beside XLA's top_k + argsort).
-``permutation`` is the same three steps as a kernel of its own over given ids (after
-``route_collect``): programs of ``PERMUTE_BLOCK`` rows mark their tokens, the last one finishes.
+Cost (``route_bytes``, ``permute_bytes``): 3.7 KB a K3 row; the order ``16 lanes W + 24BK + 4E + 8``
+bytes, L2-resident (``W = ceil(B / 32)``; 20 KB at B = 1, 233 KB at B = 256). Latency-bound: the
+floor is a launch, a load and a store, about 1 us. On the H200 (``pallas/tuning/nvidia-h200/
+route.json``): 3.33 us at B=1, 3.55 at 64, 4.51 at 256, 3.6-3.9x XLA's route; the order not yet
+timed on a GPU (``benchmarks/bench_route.py`` times it beside XLA's top_k + argsort).
 """
 from __future__ import annotations
 
@@ -229,10 +191,23 @@ def mark_tokens(ws_ref, ids, rows, ok, *, lanes: int, interpret: bool) -> None:
 def finish_permutation(ids_ref, ws_ref, prefix_ref, order_ref, sizes_ref, inverse_ref, *,
                        batch: int, experts: int, lanes: int, k: int, slots: int,
                        interpret: bool) -> None:
-    """Steps 2 and 3 of the module docstring, by the one program that drew the last ticket: from the
-    bitmap in ``ws_ref`` and the ids in ``ids_ref`` ``[B, K]`` (every program's, visible through the
-    ticket's acquire), write ``sizes_ref`` ``[E]``, ``prefix_ref`` ``[W *
-    lanes]`` (scratch), ``inverse_ref`` ``[B, K]`` and ``order_ref`` ``[B * K]``."""
+    """The order's last steps, by the one program that drew the last ticket: from the bitmap in
+    ``ws_ref`` and the ids in ``ids_ref`` ``[B, K]``, write ``sizes_ref`` ``[E]``, ``prefix_ref``
+    ``[W * lanes]`` (scratch), ``inverse_ref`` ``[B, K]`` and ``order_ref`` ``[B * K]``.
+
+    Before: each program stored its ids, marked its tokens (``mark_tokens``), then took a ticket (a
+    CTA barrier and an acquire-release atomic add, as ``gemm.triton.finish_split_k`` hands a tile to
+    its last program; none with one program). Here: popcounts of the bitmap's ``W = ceil(B / 32)``
+    columns of ``lanes`` words give ``group_sizes``; an exclusive cumsum over experts gives each
+    expert's start; each column's running start (``prefix[w, e]``: the start of ``e`` plus its slots
+    of tokens below ``32 w``) goes to scratch, then a CTA barrier. Then, in chunks of
+    ``PERMUTE_CHUNK`` rows, slot ``s = t K + r`` of expert ``e`` gets ``inverse[s] = prefix[t // 32,
+    e] + popcount(word(t // 32, e) & ((1 << t % 32) - 1))`` and ``order[inverse[s]] = s``.
+
+    The plain loads see every program's writes after the ticket's acquire: no line of the bitmap
+    (touched only by atomics, at L2) or of the ids (only stored) can sit in this SM's L1 before it
+    reads them (Pallas' ``.cg`` cache modifier does not lower in jax 0.11.2). Latency: one CTA's L2
+    round trips, ``2 + 3 ceil(B / PERMUTE_CHUNK)`` dependent steps, after the slowest ticket."""
     words = permute_words(batch)
     lane = lax.broadcasted_iota(jnp.int32, (lanes,), 0)
 
