@@ -120,7 +120,7 @@ def measure(backend: str, tp: int, batch: int, params, calls: int) -> dict:
         jax.block_until_ready(program())
         walls.append(time.perf_counter() - start)
     traced = dict(kernels=names[: len(names) // layers])
-    timing.span(traced, program, programs=calls)
+    timing.span(traced, program, programs=calls, calls=layers)
     spans = [max(s + d for _, s, d in one) for one in traced.get("timeline", [])]
     return dict(
         backend=backend, tp=tp, batch=batch, layers=layers, compile_s=round(compile_s, 1),
@@ -187,8 +187,7 @@ def main() -> None:
                         help="tp1's batches; tp > 1 runs --rank-batches")
     parser.add_argument("--rank-batches", default="1,8,64")
     parser.add_argument("--backends", default=",".join(BACKENDS))
-    parser.add_argument("--layers", type=int, default=timing.CHAIN,
-                        help="layers per program (the trace parser takes timing.CHAIN)")
+    parser.add_argument("--layers", type=int, default=timing.CHAIN, help="layers per program")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--check", action="store_true",
                         help="only check, small shapes, on any machine (interpret mode off a GPU)")

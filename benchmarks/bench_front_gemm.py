@@ -27,7 +27,7 @@ import moe_front_jax as mf
 from moe_front_jax import registry, reference
 from moe_front_jax.pallas import front_gemm as fg
 from timing import (
-    READ_CEILING_TBS, FrontShape, cupti_us_per_call, decode_rows, packed_weights, tbs, xla_dot,
+    READ_CEILING_TBS, FrontShape, cupti_us_per_call, packed_weights, rows, tbs, xla_dot,
 )
 
 
@@ -55,7 +55,7 @@ def main() -> None:
     tps, batches = list(map(int, args.tps.split(","))), list(map(int, args.batches.split(",")))
     shapes = {tp: FrontShape.k3(tp) for tp in tps}
     weights = {tp: packed_weights(shape) for tp, shape in shapes.items()}
-    xs = {batch: decode_rows(batch, 7168) for batch in batches}
+    xs = {batch: rows(batch, 7168, seed=1) for batch in batches}
     variants = {
         "us": lambda s: lambda x, w: fg.front_gemm(x, w, s.split, s.valid),
         "plan_us": lambda s: lambda x, w: fg.front_gemm_plan(x, w, s.split, s.valid),

@@ -69,19 +69,10 @@ class FrontShape:
 
 
 def packed_weights(shape: FrontShape, seed: int = 0) -> list[jax.Array]:
-    """Copies of a random packed weight ``[rows, H]`` (normal / sqrt(H), zero padding rows), enough of
-    them to exceed ``ROTATION_BYTES``; each copy is a distinct buffer with distinct values."""
-    copies = max(2, -(-ROTATION_BYTES // shape.packed_bytes))
-    key = jax.random.key(seed)
-    pad = jnp.arange(shape.rows)
-    pad = ((pad < shape.valid) | (pad >= shape.split))[:, None]
-
-    @jax.jit
-    def one(k):
-        w = jax.random.normal(k, (shape.rows, shape.hidden), jnp.float32) / np.sqrt(shape.hidden)
-        return jnp.where(pad, w, 0).astype(jnp.bfloat16)
-
-    return [one(k) for k in jax.random.split(key, copies)]
+    """``random_copies`` of a packed weight ``[rows, H]``, its padding rows zero."""
+    row = jnp.arange(shape.rows)
+    keep = ((row < shape.valid) | (row >= shape.split))[:, None]
+    return random_copies((shape.rows, shape.hidden), shape.hidden, shape.packed_bytes, seed, keep)
 
 
 LOGITS_RTOL = 1e-5
@@ -103,10 +94,6 @@ def contract_errors(logits, latent, y: np.ndarray, split: int) -> tuple[float, f
     ulp = np.exp2(np.floor(np.log2(np.maximum(mag[:, split:], 2.0**-126))) - 7)
     err_t = np.abs(np.asarray(latent.astype(jnp.float32), np.float64) - y[:, split:]) / ulp
     return float(err_l.max()), float(err_t.max())
-
-
-def decode_rows(batch: int, hidden: int, seed: int = 1) -> jax.Array:
-    return jax.random.normal(jax.random.key(seed), (batch, hidden), jnp.float32).astype(jnp.bfloat16)
 
 
 def cupti_us_per_call(fn, x, weights, rounds: int = 2) -> tuple[float, list[str]]:
@@ -223,14 +210,17 @@ class SharedShape:
         return (nbytes or self.weight_bytes) / (READ_CEILING_TBS * 1e12) * 1e6
 
 
-def random_copies(shape: tuple[int, int], fan_in: int, nbytes: int, seed: int) -> list[jax.Array]:
-    """Copies of a random bf16 weight (normal / sqrt(fan_in)), enough of them to exceed
-    ``ROTATION_BYTES`` together (at least two); each a distinct buffer with distinct values."""
+def random_copies(shape: tuple[int, int], fan_in: int, nbytes: int, seed: int,
+                  keep: jax.Array | None = None) -> list[jax.Array]:
+    """Copies of a random bf16 weight (normal / sqrt(fan_in); zero where ``keep``, broadcast to
+    ``shape``, is False), enough of them to exceed ``ROTATION_BYTES`` together (at least two); each a
+    distinct buffer with distinct values."""
     copies = max(2, -(-ROTATION_BYTES // nbytes))
 
     @jax.jit
     def one(k):
-        return (jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)).astype(jnp.bfloat16)
+        w = jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)
+        return (w if keep is None else jnp.where(keep, w, 0)).astype(jnp.bfloat16)
 
     return [one(k) for k in jax.random.split(jax.random.key(seed), copies)]
 
@@ -285,28 +275,29 @@ def call_spans(timeline: list, kernels_per_call: int) -> list[float]:
     return [max(start + duration for _, start, duration in call) - call[0][1] for call in calls]
 
 
-def span(row: dict, program, programs: int = 12) -> None:
+def span(row: dict, program, programs: int = 12, calls: int = CHAIN) -> None:
     """For ``program`` (``chain_program``'s; ``row["kernels"]`` the kernels of one call), from a
-    profiler trace of ``programs`` programs run one at a time: ``spans_of``'s keys in ``row``. The
-    trace keeps the kernels of only some programs (three of twelve in the PDL probe's runs,
-    2026-12-06). It holds CUPTI, as the CUPTI timing does, so it runs after all of that."""
+    profiler trace of ``programs`` programs of ``calls`` calls run one at a time: ``spans_of``'s
+    keys in ``row``. The trace keeps the kernels of only some programs (three of twelve in the PDL
+    probe's runs, 2026-12-06). It holds CUPTI, as the CUPTI timing does, so it runs after all of
+    that."""
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
             for _ in range(programs):
                 jax.block_until_ready(program())
         trace_file, = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz"))
         with gzip.open(trace_file) as f:
-            row.update(spans_of(json.load(f)["traceEvents"], row["kernels"]))
+            row.update(spans_of(json.load(f)["traceEvents"], row["kernels"], calls))
 
 
-def spans_of(events: list[dict], call_kernels: list[str]) -> dict:
-    """From a trace's ``events`` (Chrome trace format) of ``chain_program`` programs whose calls
-    each launch ``call_kernels``, in order: ``call_span_us``, the median over the traced calls of
-    a call's span (its first kernel's start to its last kernel's end: the gap between its kernels
-    counts, and so does the overlap PDL gives); ``timeline``, each traced program's kernels as
-    ``(name, start, duration)`` in microseconds from its first start; ``programs_traced``. The gaps
-    between calls may hold the host's launches (the trace's own cost included), so no span across
-    calls is taken. A count of kernels on the GPU's streams that is not a whole number of
+def spans_of(events: list[dict], call_kernels: list[str], calls: int = CHAIN) -> dict:
+    """From a trace's ``events`` (Chrome trace format) of ``chain_program`` programs of ``calls``
+    calls, each launching ``call_kernels``, in order: ``call_span_us``, the median over the traced
+    calls of a call's span (its first kernel's start to its last kernel's end: the gap between its
+    kernels counts, and so does the overlap PDL gives); ``timeline``, each traced program's kernels
+    as ``(name, start, duration)`` in microseconds from its first start; ``programs_traced``. The
+    gaps between calls may hold the host's launches (the trace's own cost included), so no span
+    across calls is taken. A count of kernels on the GPU's streams that is not a whole number of
     programs, or a program whose kernels are not its calls' one after another (``kernel_kind``),
     gives ``span_error`` alone."""
     streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
@@ -315,12 +306,12 @@ def spans_of(events: list[dict], call_kernels: list[str]) -> dict:
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                      if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
     per_call = len(call_kernels)
-    size = per_call * CHAIN
+    size = per_call * calls
     if not kernels or len(kernels) % size:
         return dict(span_error=f"{len(kernels)} events on the GPU's streams, not a whole number "
                                f"of programs of {size} kernels")
     programs = [kernels[at:at + size] for at in range(0, len(kernels), size)]
-    expected = [kernel_kind(name) for name in call_kernels] * CHAIN
+    expected = [kernel_kind(name) for name in call_kernels] * calls
     if any([kernel_kind(name) for _, _, name in program] != expected for program in programs):
         return dict(span_error="a traced program's kernels are not its calls' one after another")
     timeline = [[(name, round(start - program[0][0], 2), round(end - start, 2))

@@ -16,6 +16,7 @@ import moe_front_jax as mf
 from moe_front_jax import api, reference, registry
 from moe_front_jax.params import padded_split
 from moe_front_jax.pallas.engine import kernel as ek
+from moe_front_jax.pallas.gemm import mosaic
 from moe_front_jax.pallas.engine.kernel import EngineConfig
 from h200 import lower_for_h200
 import oracle
@@ -402,7 +403,7 @@ def test_lowers_for_h200(tp, batch):
 
 
 def test_lowers_without_pdl(monkeypatch):
-    monkeypatch.setattr(ek, "LAUNCH_WITH_PDL", False)
+    monkeypatch.setattr(mosaic, "LAUNCH_WITH_PDL", False)
     cfg, valid, split, x, packed, *_ = k3_arrays(8, 8)
     text = lower_for_h200(lambda x, w: ek.front_gemm(x, w, split, valid), x, packed)
     assert text.count("@mosaic_gpu_v2") == 1 and "mosaic_gpu.uses_pdl" not in text

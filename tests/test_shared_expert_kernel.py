@@ -17,6 +17,7 @@ from moe_front_jax import registry, reference
 from moe_front_jax.params import rank_slices
 from moe_front_jax.pallas.shared_expert import triton as se
 from moe_front_jax.pallas.shared_expert import tma as st
+from moe_front_jax.pallas.gemm import mosaic
 from moe_front_jax.pallas.gemm.schedule import GemmConfig as G
 from h200 import H200, lower_for_h200
 import oracle
@@ -477,7 +478,7 @@ def test_tma_kernels_launch_with_pdl(monkeypatch, launch_with_pdl):
     """Each TMA kernel (tp1's two; tp8's split gate/up and down) starts with griddepcontrol.wait,
     so Mosaic GPU marks its module for programmatic dependent launch; with
     ``LAUNCH_WITH_PDL`` off, none does."""
-    monkeypatch.setattr(st, "LAUNCH_WITH_PDL", launch_with_pdl)
+    monkeypatch.setattr(mosaic, "LAUNCH_WITH_PDL", launch_with_pdl)
     for tp, out_dtype in ((1, jnp.bfloat16), (8, jnp.float32)):
         cfg = K3.with_tp(tp)
         split = 1 if tp == 1 else 8

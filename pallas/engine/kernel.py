@@ -39,6 +39,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from moe_front_jax import reference
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.pallas.device import core_count
+from moe_front_jax.pallas.gemm.mosaic import (
+    WGMMA_STEPS_IN_FLIGHT,
+    await_inputs,
+    interpret_params,
+    pad_rows,
+    stage_transforms,
+    tma_rows,
+)
+from moe_front_jax.pallas.gemm.schedule import check_matrices
 from moe_front_jax.pallas.plan.kernel import magnitude_bits, to_e4m3
 
 MAX_BATCH = 64
@@ -59,10 +68,6 @@ MAX_SMEM = 227 * 1024
 SMEM_BUDGET = 200 * 1024
 """The heuristic's ring stays under this (of the 227 KiB a Hopper CTA may have); the epilogue's
 buffers reuse it once the ring is drained."""
-WGMMA_STEPS_IN_FLIGHT = 1
-"""K steps whose wgmmas may still run when the next step's are issued (tma.py's)."""
-LAUNCH_WITH_PDL = True
-"""Each kernel starts with ``griddepcontrol_wait``, so Mosaic GPU launches it with PDL."""
 LOGITS, LATENT, GATE_UP, DOWN = "logits", "latent", "gate_up", "down"
 
 
@@ -242,34 +247,6 @@ def heuristic_config(batch: int, depth: int, router: int = 0, latent: int = 0, g
 # --- the kernel --------------------------------------------------------------------------------------
 
 
-def _interpret_params(interpret: bool):
-    return plgpu.InterpretGPUParams() if interpret else None
-
-
-def _await_inputs(interpret: bool) -> None:
-    """The kernel's first step (``LAUNCH_WITH_PDL``); interpret mode has no rule for it."""
-    if LAUNCH_WITH_PDL and not interpret:
-        plgpu.griddepcontrol_wait()
-
-
-def _transforms(block_k: int) -> tuple:
-    """Shared-memory tiling and swizzle of a ``[rows, block_k]`` bfloat16 stage, as wgmma reads
-    it."""
-    swizzle = plgpu.find_swizzle(block_k * 16)
-    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
-
-
-def tma_rows(batch: int) -> int:
-    """The rows of ``x`` the kernel takes: B where B <= 8 or a multiple of 8, else B rounded up to
-    8 (a tiled TMA copy moves up to 8 rows or a multiple of 8)."""
-    return batch if batch <= 8 or batch % 8 == 0 else -(-batch // 8) * 8
-
-
-def _pad_rows(x: jax.Array) -> jax.Array:
-    rows = tma_rows(x.shape[0])
-    return x if rows == x.shape[0] else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
-
-
 def chains_for(depth: int, fold_k: int, block_k: int) -> int:
     """Accumulators of a logits CTA: K's chain cut so that none is longer than ``fold_k``, as a
     power of two (each K step's ``block_k`` columns are cut into that many slices)."""
@@ -287,7 +264,7 @@ def _stream(x_gmem, views, tile, rows: int, config: EngineConfig, chains: int = 
     block_k = config.block_k
     steps = x_gmem.shape[1] // block_k
     sub = block_k // chains
-    transforms = _transforms(sub)
+    transforms = stage_transforms(sub)
     parts = len(views)
 
     def scope(*accs):
@@ -432,7 +409,7 @@ def _launch(x, weights, regions: tuple[Region, ...], out_types, config: EngineCo
 
     def kernel(x_gmem, *refs):
         w_gmems, outs = refs[: len(weights)], refs[len(weights):]
-        _await_inputs(interpret)
+        await_inputs(interpret)
         cta = lax.axis_index("cta")
         for region, start in zip(order, starts):
             def run(region=region, start=start):
@@ -450,22 +427,15 @@ def _launch(x, weights, regions: tuple[Region, ...], out_types, config: EngineCo
 
     return plgpu.kernel(
         kernel, out_type=tuple(out_types), grid=(total,), grid_names=("cta",),
-        interpret=_interpret_params(interpret), kernel_name=name,
+        interpret=interpret_params(interpret), kernel_name=name,
     )(x, *weights)
 
 
 # --- checks ------------------------------------------------------------------------------------------
 
 
-def _check_matrix(name: str, array) -> None:
-    shape = getattr(array, "shape", None)
-    if shape is None or len(shape) != 2 or array.dtype != jnp.bfloat16:
-        raise ValueError(f"{name} must be a 2-D bfloat16 array, got {shape} "
-                         f"{getattr(array, 'dtype', None)}")
-
-
 def _check_x(x, name: str = "x") -> None:
-    _check_matrix(name, x)
+    check_matrices(**{name: x})
     if x.shape[0] == 0:
         raise ValueError(f"{name} is an empty batch (shape {tuple(x.shape)}); B must be >= 1")
     if x.shape[0] > MAX_BATCH:
@@ -499,7 +469,7 @@ def _check_cut(what: str, rows: int, cta_rows: int) -> None:
 
 def _check_front(x, packed, split, valid) -> None:
     _check_x(x)
-    _check_matrix("packed", packed)
+    check_matrices(packed=packed)
     if packed.shape[1] != x.shape[1]:
         raise ValueError(f"packed must have x's width {x.shape[1]}, got {packed.shape[1]}")
     for name, value in (("split", split), ("valid", valid)):
@@ -511,7 +481,7 @@ def _check_front(x, packed, split, valid) -> None:
 
 
 def _check_gate_up(x, gate_up) -> None:
-    _check_matrix("gate_up", gate_up)
+    check_matrices(gate_up=gate_up)
     if gate_up.shape[1] != x.shape[1]:
         raise ValueError(f"gate_up must have x's width {x.shape[1]}, got {gate_up.shape[1]}")
     if gate_up.shape[0] == 0 or gate_up.shape[0] % 2:
@@ -599,7 +569,7 @@ def covers_down(hidden, down, out_dtype=jnp.bfloat16, *, config=None) -> None:
     where they are wrong."""
     _check_config(config)
     _check_x(hidden, "hidden")
-    _check_matrix("down", down)
+    check_matrices(down=down)
     if down.shape[1] != hidden.shape[1]:
         raise ValueError(f"down must have hidden's width {hidden.shape[1]}, got {down.shape[1]}")
     if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
@@ -644,7 +614,7 @@ def front_gemm(x, packed, split: int, valid: int, *, config: EngineConfig | None
     covers_front_gemm(x, packed, split, valid, config=config)
     config = _front_config(x, packed, split, valid, 0, 0, config)
     batch, shard = x.shape[0], packed.shape[0] - split
-    xp = _pad_rows(x)
+    xp = pad_rows(x)
     bp = xp.shape[0]
     logits, latent = _launch(
         xp, (packed,), tuple(_front_regions(valid, split, shard, config)),
@@ -675,7 +645,7 @@ def front_gate_up(x, packed, split: int, valid: int, gate_up, cfg: FrontConfig, 
     config = _front_config(x, packed, split, valid, s_r, cfg.plan_block if plan else 0, config,
                            _tiling_block(packed, split, cfg))
     batch, shard = x.shape[0], packed.shape[0] - split
-    xp = _pad_rows(x)
+    xp = pad_rows(x)
     bp = xp.shape[0]
     block = cfg.plan_block if plan else 0
     router, latent = _front_regions(valid, split, shard, config)
@@ -706,7 +676,7 @@ def down(hidden, down, out_dtype=jnp.bfloat16, *, config: EngineConfig | None = 
     covers_down(hidden, down, out_dtype, config=config)
     config = _down_config(hidden, down, config)
     batch, rows = hidden.shape[0], down.shape[0]
-    hp = _pad_rows(hidden)
+    hp = pad_rows(hidden)
     (out,) = _launch(
         hp, (down,), (Region(DOWN, 0, (0,), rows, config.down_rows, (0,)),),
         (jax.ShapeDtypeStruct((hp.shape[0], rows), out_dtype),), config,

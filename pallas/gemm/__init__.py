@@ -1,2 +1,3 @@
 """What the weight-streaming GEMMs share: the schedule, its lookup and the heuristic (``schedule``),
-and the Triton loads, handshakes and launch (``triton``)."""
+the Triton loads, handshakes and launch (``triton``), and the Mosaic GPU launch, stage layout and
+``x``'s TMA rows (``mosaic``)."""

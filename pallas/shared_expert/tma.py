@@ -14,7 +14,7 @@ The epilogues run on the accumulators' registers (gate/up: bf16 rounding and sit
 TMA-store the tile through shared memory. Where K is split (tp8: 768 gate rows are 12 CTAs) or the
 output is float32, CTAs store float32 partials and XLA sums them and runs the epilogue as one
 fusion; the gate/up's ``hidden`` is left as the partials lie, ``[S_r, Bp]`` (``gate_up_situ_t``).
-Each kernel waits first thing for the one before, to be launched with PDL (``LAUNCH_WITH_PDL``).
+Each kernel waits first thing for the one before, to be launched with PDL (``gemm.mosaic.LAUNCH_WITH_PDL``).
 
 Cost per call (bf16 = 2 bytes; ``Bp`` the padded batch; ``s1``, ``s2`` the kernels' split_k):
   bytes = 2 * 3 S_r H                  both weights, read once: 264.2 MB at tp1, 33.0 MB at tp8
@@ -36,39 +36,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_front_jax import reference
+from moe_front_jax.pallas.gemm.mosaic import (
+    WGMMA_STEPS_IN_FLIGHT,
+    await_inputs,
+    interpret_params,
+    pad_rows,
+    stage_transforms,
+)
 from moe_front_jax.pallas.gemm.schedule import TMA_MAX_BATCH, GemmConfig
 
 
 def tma_batch_rows(batch: int) -> int:
     """The batch rows the TMA copies and wgmma's N: ``batch`` rounded up to a multiple of 8."""
     return -(-batch // 8) * 8
-
-
-def _transforms(block_k: int) -> tuple:
-    """Shared-memory tiling and swizzle of a ``[rows, block_k]`` bfloat16 stage, as wgmma reads it."""
-    swizzle = plgpu.find_swizzle(block_k * 16)  # bits of one row of the stage
-    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
-
-
-WGMMA_STEPS_IN_FLIGHT = 1
-"""K steps whose wgmmas may still run when the next step's are issued; each holds its ring slot until
-they finish, so a ring of ``num_stages`` keeps ``num_stages - WGMMA_STEPS_IN_FLIGHT`` TMA stages
-ahead."""
-
-
-LAUNCH_WITH_PDL = True
-"""Each kernel starts with ``griddepcontrol_wait``, before it reads anything: Mosaic GPU then
-launches it with programmatic dependent launch, as XLA launches its own kernels, so that its CTAs
-are set up while the kernel before it finishes and the wait holds them until that kernel's writes
-are visible. The tp1 span, first kernel start to last kernel end, is 1.7-2.7 us shorter on the
-H100 and 1.1-1.3 us on the H200 (docs/findings.md)."""
-
-
-def _await_inputs(interpret: bool) -> None:
-    """The kernel's first step (``LAUNCH_WITH_PDL``). Interpret mode runs kernels one after
-    another and has no rule for the instruction: there it is left out."""
-    if LAUNCH_WITH_PDL and not interpret:
-        plgpu.griddepcontrol_wait()
 
 
 def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int, part=0):
@@ -81,7 +61,7 @@ def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int, part=0):
     x_rows = TMA_MAX_BATCH if config.batch_m else bp
     steps = x_gmem.shape[1] // block_k // config.split_k
     first_step = part * steps
-    transforms = _transforms(block_k)
+    transforms = stage_transforms(block_k)
     parts = len(first_tiles)
 
     def scope(*accs):
@@ -170,7 +150,7 @@ def _partials(x, w, parts: int, config: GemmConfig, interpret: bool, name: str):
     bp, tiles = tma_batch_rows(x.shape[0]), w.shape[0] // parts // rows
 
     def kernel(x_gmem, w_gmem, out_gmem):
-        _await_inputs(interpret)
+        await_inputs(interpret)
         part, tile = lax.axis_index("part"), lax.axis_index("tile")
         accs = _stream(x_gmem, w_gmem, tuple(tile + p * tiles for p in range(parts)), config, bp,
                        part)
@@ -182,7 +162,7 @@ def _partials(x, w, parts: int, config: GemmConfig, interpret: bool, name: str):
     out = jax.ShapeDtypeStruct((config.split_k, parts, *shape), jnp.float32)
     return plgpu.kernel(
         kernel, out_type=out, grid=(config.split_k, tiles), grid_names=("part", "tile"),
-        interpret=_interpret_params(interpret), kernel_name=name,
+        interpret=interpret_params(interpret), kernel_name=name,
     )(x, w)
 
 
@@ -202,23 +182,8 @@ def _check(x, w, rows: int, config: GemmConfig, name: str) -> None:
     config.check_divides(depth_k, "K")
 
 
-def _tma_rows(x: jax.Array) -> jax.Array:
-    """``x`` as the TMA copies it: a tiled copy moves up to 8 rows or a multiple of 8, so another
-    batch (9 <= B <= 63, not a multiple of 8) is padded with zero rows to its multiple of 8, and the
-    kernels' outputs keep those rows until the caller's slice: two small XLA ops for such batches."""
-    batch = x.shape[0]
-    if batch <= 8 or batch % 8 == 0:
-        return x
-    return jnp.pad(x, ((0, tma_batch_rows(batch) - batch), (0, 0)))
-
-
-def _interpret_params(interpret: bool):
-    """Mosaic GPU's interpret mode (a simulated GPU on the CPU) where ``interpret``, else None."""
-    return plgpu.InterpretGPUParams() if interpret else None
-
-
 def _split_hidden(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool):
-    """Kernel 1 with K split, on ``_tma_rows(x)``: ``hidden`` in the layout its partials lie in,
+    """Kernel 1 with K split, on ``pad_rows(x)``: ``hidden`` in the layout its partials lie in,
     ``hidden.T`` ``[S_r, Bp]`` (the batch minor; ``[Bp, S_r]`` with ``batch_m``), so that XLA's
     sum over the splits, rounding and situ are one fusion (a transpose makes it two, 1.0-1.4 us
     more at tp8, docs/findings.md). Rows or columns past B are ``situ(0, 0) = 0``."""
@@ -234,7 +199,7 @@ def _hidden_t(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool
 
 
 def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool):
-    """Kernel 1 on ``_tma_rows(x)``: its rows of ``hidden``."""
+    """Kernel 1 on ``pad_rows(x)``: its rows of ``hidden``."""
     s_r = gate_up.shape[0] // 2
     rows = config.block_rows
     batch, bp, tiles = x.shape[0], tma_batch_rows(x.shape[0]), s_r // rows
@@ -243,7 +208,7 @@ def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool)
         return hidden[:batch] if config.batch_m else hidden[:, :batch].T
 
     def kernel(x_gmem, w_gmem, out_gmem):
-        _await_inputs(interpret)
+        await_inputs(interpret)
         tile = lax.axis_index("tile")
         gate, up = _stream(x_gmem, w_gmem, (tile, tile + tiles), config, bp)
         hidden = reference.situ(gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16), beta,
@@ -255,20 +220,20 @@ def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool)
 
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((batch, s_r), jnp.bfloat16), grid=(tiles,),
-        grid_names=("tile",), interpret=_interpret_params(interpret),
+        grid_names=("tile",), interpret=interpret_params(interpret),
         kernel_name="shared_gate_up_situ_tma",
     )(x, gate_up)
 
 
 def _down(hidden, down, out_dtype, config: GemmConfig, interpret: bool):
-    """Kernel 2 on ``_tma_rows(hidden)``: its rows of the product."""
+    """Kernel 2 on ``pad_rows(hidden)``: its rows of the product."""
     batch, rows, bp = hidden.shape[0], down.shape[0], tma_batch_rows(hidden.shape[0])
     if config.split_k > 1 or jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16):
         y = _partials(hidden, down, 1, config, interpret, "shared_down_tma_partials").sum(0)[0]
         return (y[:batch] if config.batch_m else y[:, :batch].T).astype(out_dtype)
 
     def kernel(h_gmem, w_gmem, out_gmem):
-        _await_inputs(interpret)
+        await_inputs(interpret)
         tile = lax.axis_index("tile")
         (acc,) = _stream(h_gmem, w_gmem, (tile,), config, bp)
         store = functools.partial(_store_rows, bp=bp) if config.batch_m else _store_transposed
@@ -277,7 +242,7 @@ def _down(hidden, down, out_dtype, config: GemmConfig, interpret: bool):
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((batch, rows), jnp.bfloat16),
         grid=(rows // config.block_rows,),
-        grid_names=("tile",), interpret=_interpret_params(interpret), kernel_name="shared_down_tma",
+        grid_names=("tile",), interpret=interpret_params(interpret), kernel_name="shared_down_tma",
     )(hidden, down)
 
 
@@ -286,7 +251,7 @@ def gate_up_situ(x, gate_up, beta: float, linear_beta: float, *, config: GemmCon
     """Kernel 1: ``situ(bf16(x @ gate.T), bf16(x @ up.T))`` ``[B, S_r]`` bfloat16 from ``x``
     ``[B, H]`` and ``gate_up`` ``[2 S_r, H]`` (gate rows, then up rows), both bfloat16."""
     _check(x, gate_up, gate_up.shape[0] // 2, config, "gate_up")
-    hidden = _gate_up(_tma_rows(x), gate_up, beta, linear_beta, config, interpret)
+    hidden = _gate_up(pad_rows(x), gate_up, beta, linear_beta, config, interpret)
     return hidden[: x.shape[0]]
 
 
@@ -299,7 +264,7 @@ def gate_up_situ_t(x, gate_up, beta: float, linear_beta: float, *, config: GemmC
     _check(x, gate_up, gate_up.shape[0] // 2, config, "gate_up")
     if config.split_k == 1:
         raise ValueError(f"gate_up_situ_t needs K split (split_k > 1), got {config}")
-    return _hidden_t(_tma_rows(x), gate_up, beta, linear_beta, config, interpret)
+    return _hidden_t(pad_rows(x), gate_up, beta, linear_beta, config, interpret)
 
 
 def down_proj(hidden, down, out_dtype=jnp.bfloat16, *, config: GemmConfig,
@@ -307,7 +272,7 @@ def down_proj(hidden, down, out_dtype=jnp.bfloat16, *, config: GemmConfig,
     """Kernel 2: ``hidden @ down.T`` ``[B, H]`` in ``out_dtype`` from ``hidden`` ``[B, S_r]`` and
     ``down`` ``[H, S_r]``, both bfloat16, float32 accumulation."""
     _check(hidden, down, down.shape[0], config, "down")
-    return _down(_tma_rows(hidden), down, out_dtype, config, interpret)[: hidden.shape[0]]
+    return _down(pad_rows(hidden), down, out_dtype, config, interpret)[: hidden.shape[0]]
 
 
 def shared_expert(x, gate_up, down, beta: float, linear_beta: float, out_dtype=jnp.bfloat16, *,
@@ -315,6 +280,6 @@ def shared_expert(x, gate_up, down, beta: float, linear_beta: float, out_dtype=j
     """Both kernels: ``down_proj(gate_up_situ(x, ...), ...)`` ``[B, H]`` in ``out_dtype``, with
     ``hidden`` passed between them in the rows the TMA copies (one pad and one slice at most)."""
     _check(x, gate_up, gate_up.shape[0] // 2, gate_up_config, "gate_up")
-    hidden = _gate_up(_tma_rows(x), gate_up, beta, linear_beta, gate_up_config, interpret)
+    hidden = _gate_up(pad_rows(x), gate_up, beta, linear_beta, gate_up_config, interpret)
     _check(hidden, down, down.shape[0], down_config, "down")
     return _down(hidden, down, out_dtype, down_config, interpret)[: x.shape[0]]

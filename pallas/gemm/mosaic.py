@@ -1,0 +1,52 @@
+"""What the Mosaic GPU weight streams share (the shared expert's TMA schedule, the streaming engine):
+the launch with programmatic dependent launch, the shared-memory layout of a stage as wgmma reads it,
+the ring's wgmmas in flight, interpret mode, and ``x``'s rows as a tiled TMA copy moves them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LAUNCH_WITH_PDL = True
+"""Each kernel starts with ``griddepcontrol_wait``, before it reads anything: Mosaic GPU then
+launches it with programmatic dependent launch, as XLA launches its own kernels, so that its CTAs
+are set up while the kernel before it finishes and the wait holds them until that kernel's writes
+are visible. The tp1 span, first kernel start to last kernel end, is 1.7-2.7 us shorter on the
+H100 and 1.1-1.3 us on the H200 (docs/findings.md)."""
+
+WGMMA_STEPS_IN_FLIGHT = 1
+"""K steps whose wgmmas may still run when the next step's are issued; each holds its ring slot until
+they finish, so a ring of ``num_stages`` keeps ``num_stages - WGMMA_STEPS_IN_FLIGHT`` TMA stages
+ahead."""
+
+
+def await_inputs(interpret: bool) -> None:
+    """The kernel's first step (``LAUNCH_WITH_PDL``). Interpret mode runs kernels one after
+    another and has no rule for the instruction: there it is left out."""
+    if LAUNCH_WITH_PDL and not interpret:
+        plgpu.griddepcontrol_wait()
+
+
+def interpret_params(interpret: bool):
+    """Mosaic GPU's interpret mode (a simulated GPU on the CPU) where ``interpret``, else None."""
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def stage_transforms(block_k: int) -> tuple:
+    """Shared-memory tiling and swizzle of a ``[rows, block_k]`` bfloat16 stage, as wgmma reads it."""
+    swizzle = plgpu.find_swizzle(block_k * 16)  # bits of one row of the stage
+    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
+
+
+def tma_rows(batch: int) -> int:
+    """The rows of ``x`` a kernel takes: B where B <= 8 or a multiple of 8, else B rounded up to 8
+    (a tiled TMA copy moves up to 8 rows or a multiple of 8)."""
+    return batch if batch <= 8 or batch % 8 == 0 else -(-batch // 8) * 8
+
+
+def pad_rows(x: jax.Array) -> jax.Array:
+    """``x`` with zero rows up to ``tma_rows``: for 9 <= B <= 63 not a multiple of 8, a pad here and
+    the caller's slice of the outputs, two small XLA ops."""
+    rows = tma_rows(x.shape[0])
+    return x if rows == x.shape[0] else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
