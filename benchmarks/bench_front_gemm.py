@@ -4,12 +4,13 @@
 
 For tp in {1, 2, 4, 8} and B in {1, 2, 4, 8, 16, 32, 64, 128, 256} (every power of
 two, so that ``auto_table.py`` can decide every key): the kernel (tuning-table schedule),
-the kernel with the MXFP8 plan from its epilogue, XLA's ``dot_general`` over the packed weight, and
+the kernel with the MXFP8 plan from its epilogue, the streaming engine's front GEMM
+(``pallas.engine.front_gemm``, B <= 64), XLA's ``dot_general`` over the packed weight, and
 the XLA reference stage (dot, slice, cast); effective TB/s over the weight bytes the kernel reads,
 the floor at the measured read ceiling, and the ratio XLA / kernel. Then the whole front at tp1
 (front GEMM + routing inside one jit) against the GEMM alone. The table prints last; the full results
-go to $OUT/bench_front_gemm.json, with the kernel and XLA's dot under ``rows`` in
-plot.py's format.
+go to $OUT/bench_front_gemm.json, with the kernels and XLA's dot under ``rows`` in
+plot.py's format. A variant that fails to compile is listed under "failed" and the run goes on.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 
 import moe_front_jax as mf
 from moe_front_jax import registry, reference
+from moe_front_jax.pallas import engine
 from moe_front_jax.pallas import front_gemm as fg
 from timing import (
     READ_CEILING_TBS, FrontShape, cupti_us_per_call, packed_weights, rows, tbs, xla_dot,
@@ -36,12 +38,23 @@ FLOORS = {"front_gemm": {"bandwidth_gbs": READ_CEILING_TBS * 1e3,
 
 
 def plot_rows(rows: list[dict], shapes: dict[int, FrontShape]) -> list[dict]:
-    """The kernel and XLA's ``dot_general`` per (tp, B) in plot.py's format."""
+    """The kernels and XLA's ``dot_general`` per (tp, B) in plot.py's format."""
     return [
         dict(stage="front_gemm", backend=backend, tp=r["tp"], batch=r["batch"], time_us=r[key],
              bytes=shapes[r["tp"]].weight_bytes)
-        for r in rows for backend, key in (("pallas", "us"), ("xla", "xla_dot_us"))
+        for r in rows
+        for backend, key in (("pallas", "us"), ("engine", "engine_us"), ("xla", "xla_dot_us"))
+        if r[key] is not None
     ]
+
+
+def fmt(value, width: int = 8, sign: str = "") -> str:
+    """``value`` to 2 decimals in ``width`` columns, or "-" where the variant did not run."""
+    return f"{value:>{sign}{width}.2f}" if value is not None else f"{'-':>{width}}"
+
+
+def ratio(a, b):
+    return a / b if a is not None and b is not None else None
 
 
 def main() -> None:
@@ -59,18 +72,27 @@ def main() -> None:
     variants = {
         "us": lambda s: lambda x, w: fg.front_gemm(x, w, s.split, s.valid),
         "plan_us": lambda s: lambda x, w: fg.front_gemm_plan(x, w, s.split, s.valid),
+        "engine_us": lambda s: lambda x, w: engine.front_gemm(x, w, s.split, s.valid),
         "xla_dot_us": lambda s: xla_dot,
         "xla_stage_us": lambda s: lambda x, w: reference.front_gemm(x, w, s.split, s.valid),
     }
-    keys = [(tp, batch, name) for tp in tps for batch in batches for name in variants]
+    keys = [(tp, batch, name) for tp in tps for batch in batches for name in variants
+            if name != "engine_us" or batch <= 64]
+    failed = {}
 
     def compile_one(key):
         tp, batch, name = key
         fn = jax.jit(variants[name](shapes[tp]))
-        return fn.lower(xs[batch], weights[tp][0]).compile()
+        try:
+            return fn.lower(xs[batch], weights[tp][0]).compile()
+        except Exception as e:  # listed under "failed"; the other variants still run
+            failed[f"tp{tp} B{batch} {name}"] = f"{type(e).__name__}: {e}"[:2000]
+            return None
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         compiled = dict(zip(keys, pool.map(compile_one, keys)))
+    for key, error in failed.items():
+        print("FAILED", key, error.splitlines()[0], flush=True)
     rows = []
     for tp in tps:
         shape = shapes[tp]
@@ -78,9 +100,12 @@ def main() -> None:
             row = dict(tp=tp, batch=batch, floor_us=shape.floor_us(),
                        config=str(fg.pick_config(shape.valid, shape.shard, shape.hidden, batch)))
             for name in variants:
+                if compiled.get((tp, batch, name)) is None:
+                    row[name], row[name.replace("us", "kernels")] = None, None
+                    continue
                 row[name], kernels = cupti_us_per_call(compiled[tp, batch, name], xs[batch], weights[tp])
                 row[name.replace("us", "kernels")] = kernels
-            row["tbs"] = tbs(shape.weight_bytes, row["us"])
+            row["tbs"] = row["us"] and tbs(shape.weight_bytes, row["us"])
             rows.append(row)
             print(json.dumps(row), flush=True)
 
@@ -110,13 +135,16 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_front_gemm.json"), "w") as f:
         json.dump(dict(device=device.device_kind, rows=plot_rows(rows, shapes), floors=FLOORS,
-                       gemm=rows, front=fronts), f, indent=1)
+                       gemm=rows, front=fronts, failed=failed), f, indent=1)
     print(f"\n{'tp':>3} {'B':>4} {'kernel':>8} {'TB/s':>6} {'floor':>6} {'x floor':>7} "
-          f"{'+plan':>7} {'xla dot':>8} {'xla/k':>6} {'xla stage':>9}   (us)")
+          f"{'+plan':>7} {'engine':>8} {'xla dot':>8} {'xla/k':>6} {'xla/eng':>7} {'xla stage':>9}   (us)")
     for r in rows:
-        print(f"{r['tp']:>3} {r['batch']:>4} {r['us']:>8.2f} {r['tbs']:>6.2f} {r['floor_us']:>6.2f} "
-              f"{r['us'] / r['floor_us']:>7.2f} {r['plan_us'] - r['us']:>+7.2f} "
-              f"{r['xla_dot_us']:>8.2f} {r['xla_dot_us'] / r['us']:>6.2f} {r['xla_stage_us']:>9.2f}")
+        us, dot = r["us"], r["xla_dot_us"]
+        plan = r["plan_us"] - us if r["plan_us"] is not None and us is not None else None
+        print(f"{r['tp']:>3} {r['batch']:>4} {fmt(us)} {fmt(r['tbs'], 6)} {r['floor_us']:>6.2f} "
+              f"{fmt(ratio(us, r['floor_us']), 7)} {fmt(plan, 7, '+')} {fmt(r['engine_us'])} "
+              f"{fmt(dot)} {fmt(ratio(dot, us), 6)} {fmt(ratio(dot, r['engine_us']), 7)} "
+              f"{fmt(r['xla_stage_us'], 9)}")
     print(f"\nwhole front at tp1 (GEMM + route: {route_name})")
     for r in fronts:
         ratio = f"{r['us'] / r['gemm_us']:.2f}x the GEMM" if r["gemm_us"] else ""
