@@ -3,7 +3,8 @@
 Reads the JSON files the benchmark scripts write (benchmarks/README.md, "Result format": ``rows`` of
 ``stage``, ``backend``, ``tp``, ``batch``, ``time_us`` and ``bytes``, and a ``floors`` entry per
 stage with its ``bandwidth_gbs``), merges them, and writes a PNG: for each stage a panel with the
-batch size on a log axis, our Pallas kernel (solid) beside XLA (dotted) for every tp, and the memory
+batch size on a log axis, our Pallas kernel (solid) and the streaming engine's (dash-dot, where
+timed) beside XLA (dotted) for every tp, and the memory
 floor of the same tp dashed, ``bytes / (bandwidth_gbs * 1e3)`` microseconds. With ``--table`` it
 prints a markdown table (time, ratio to XLA, fraction of the floor) and writes the figure only where
 ``-o`` is given. ``bench_mailbox.py``'s files (a ``batches`` list, no ``rows``) get a table of their
@@ -32,9 +33,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
-BACKENDS = ("pallas", "xla")
+BACKENDS = ("pallas", "engine", "xla")
 ROW_FIELDS = {"stage": str, "backend": str, "tp": int, "batch": int, "time_us": float, "bytes": int}
-STYLE = {"pallas": dict(linestyle="-", marker="o"), "xla": dict(linestyle=":", marker="s")}
+STYLE = {"pallas": dict(linestyle="-", marker="o"), "engine": dict(linestyle="-.", marker="^"),
+         "xla": dict(linestyle=":", marker="s")}
 
 
 MAILBOX_PATHS = {"direct": "direct", "mailbox": "mailbox", "direct_pallas": "direct_pallas",
@@ -249,15 +251,19 @@ def mailbox_table(batches: list[dict]) -> str:
 
 def table(results: dict) -> str:
     """Markdown table: per stage, tp and batch, each backend's time, pallas/xla and floor/pallas
-    (and each backend's call span, where the files recorded spans); then the mailbox's table, if
-    any file held ``bench_mailbox.py``'s batches."""
+    (the engine's time and xla/engine where any row has them; each backend's call span, where the
+    files recorded spans); then the mailbox's table, if any file held ``bench_mailbox.py``'s
+    batches."""
     parts = [mailbox_table(results["mailbox"])] if results.get("mailbox") else []
     if not results["rows"]:
         return parts[0]
     cells = {(r["stage"], r["tp"], r["batch"], r["backend"]): r for r in results["rows"]}
     keys = sorted({k[:3] for k in cells})
     spans = results.get("spans") or {}
+    engine = any(k[3] == "engine" for k in cells)
     header = "| stage | tp | batch | pallas (us) | xla (us) | xla / pallas | floor (us) | floor / pallas |"
+    if engine:
+        header += " engine (us) | xla / engine |"
     if spans:
         header += " pallas span (us) | xla span (us) |"
     lines = [header, "|" + " --- |" * header.count(" |")]
@@ -272,9 +278,13 @@ def table(results: dict) -> str:
             f"{floor:.2f}",
             f"{floor / ours['time_us']:.0%} |" if ours else "- |",
         ]))
+        if engine:
+            eng = cells.get((stage, tp, batch, "engine"))
+            lines[-1] += (f" {eng['time_us']:.2f} |" if eng else " - |") + (
+                f" {xla['time_us'] / eng['time_us']:.2f} |" if eng and xla else " - |")
         if spans:
             span = spans.get((stage, tp, batch), {})
-            lines[-1] += "".join(f" {span[b]:.2f} |" if b in span else " - |" for b in BACKENDS)
+            lines[-1] += "".join(f" {span[b]:.2f} |" if b in span else " - |" for b in ("pallas", "xla"))
     return "\n\n".join(["\n".join(lines)] + parts)
 
 

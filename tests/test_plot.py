@@ -145,3 +145,22 @@ def test_spans_in_a_files_detail_get_columns_of_their_own(tmp_path):
     assert lines[1].count("---") == 10
     assert lines[2].endswith("| 9.50 | 11.25 |") and lines[3].endswith("| 12.00 | - |")
     assert "span" not in module.table(module.load([write(tmp_path / "g.json", results())]))
+
+
+def test_engine_rows_get_a_line_and_columns_of_their_own(tmp_path):
+    data = results(tps=(1,), batches=(1, 64))
+    data["rows"].append(dict(stage="front_gemm", backend="engine", tp=1, batch=64, time_us=2.5,
+                             bytes=4_714_000))
+    first = write(tmp_path / "gemm.json", data)
+    out = tmp_path / "front.png"
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(first), "-o", str(out), "--table"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "| engine (us) | xla / engine |" in next(line for line in lines if line.startswith("| stage"))
+    timed = [c.strip() for c in next(line for line in lines if line.startswith("| front_gemm | 1 | 64 |"))
+             .strip("|").split("|")]
+    xla = 2.0 * 4_714_000 / 4.65e6 + 2
+    assert timed[-2:] == ["2.50", f"{xla / 2.5:.2f}"]
+    untimed = next(line for line in lines if line.startswith("| front_gemm | 1 | 1 |"))
+    assert untimed.endswith("| - | - |")
