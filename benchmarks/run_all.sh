@@ -9,7 +9,8 @@
 #   BENCHES="front route"       the benchmarks to run, in order (default: all single-GPU ones)
 #   ARGS_front="--tps 1,8"      extra arguments of bench_front.py (likewise ARGS_route, ...)
 #   TESTS="test_permute.py"     the GPU test files, run first (default: all); DECODE=0 skips the main job
-#   STEP_LIMIT=120              seconds each step may run before it is stopped (default: no limit)
+#   STEP_LIMIT=120              seconds each step may run before it is stopped (default: no limit);
+#                               LIMIT_<step>=60 for one step (LIMIT_bench_route, LIMIT_gpu_tests, ...)
 #   BUNDLE=1                    pack $OUT into $OUT/run_all.tgz (the device tool brings back 8 files)
 set -u
 OUT=${OUT:?set OUT to the folder for results}
@@ -21,7 +22,8 @@ limit=${STEP_LIMIT:-0}
 
 step() {  # step NAME COMMAND...: run under the step limit, log to $OUT/NAME.log, say how long it took
   local name=$1; shift
-  local start=$SECONDS
+  local start=$SECONDS own=LIMIT_$name
+  local limit=${!own:-$limit}
   echo "== $name: $*"
   if timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; then
     echo "   ok in $((SECONDS - start)) s"
