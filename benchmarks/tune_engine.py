@@ -8,7 +8,7 @@ For each launch (``front``: ``engine.front_gemm``; ``merged``: ``engine.front_ga
 plan; ``down``: ``engine.down`` into bfloat16), tp and B: the heuristic's ``EngineConfig``, then every
 config one field away from it that the launch takes (a region's CTA rows over the cuts that divide
 its rows; ``block_k`` with each ring depth from 2 to 6). Each is checked first (front and merged:
-the logits and latent against the float64 contract; down: within 2 bfloat16 ulps of float64), then
+the logits and latent against the float64 contract; down: within 2 bfloat16 ulps of float64, at ``max(|y|, the row's RMS)``), then
 timed. The engine reads no table: this says whether ``heuristic_config``'s model picks well, and by
 how much the best cut beats it. A config that fails to compile or to check is listed and the run
 goes on; cases past ``--budget-s`` are skipped and listed. The table prints last; every timing goes
@@ -162,7 +162,8 @@ def check(case: Case, out, x, w) -> str | None:
     """None where the launch's outputs meet the contract, else what is off."""
     if case.launch == "down":
         y = float64_product(x, w)
-        ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(y), 2.0**-126))) - 7)
+        mag = np.maximum(np.abs(y), np.sqrt((y**2).mean(axis=1, keepdims=True)))
+        ulp = np.exp2(np.floor(np.log2(np.maximum(mag, 2.0**-126))) - 7)
         err = float((np.abs(np.asarray(out, np.float64) - y) / ulp).max())
         return None if err <= 2 else f"down {err:.2f} bf16 ulps off float64"
     packed = w[0] if case.launch == "merged" else w
