@@ -4,12 +4,12 @@ past the L2).
   python3 benchmarks/tune_engine.py --out $OUT [--tps 1,8] [--batches 8,64] \
       [--launches front,merged,down] [--budget-s 240]
 
-For each launch (``front``: ``engine.front_gemm``; ``merged``: ``engine.front_gate_up`` with the
-plan; ``down``: ``engine.down`` into bfloat16), tp and B: the heuristic's ``EngineConfig``, then every
-config one field away from it that the launch takes (a region's CTA rows over the cuts that divide
-its rows; ``block_k`` with each ring depth from 2 to 6). Each is checked first (front and merged:
-the logits and latent against the float64 contract; down: within 2 bfloat16 ulps of float64, at ``max(|y|, the row's RMS)``), then
-timed. The engine reads no table: this says whether ``heuristic_config``'s model picks well, and by
+For each launch (``front``: ``engine.front_gemm``; ``merged``: ``engine.front_gate_up`` with
+the plan; ``down``: ``engine.down`` into bfloat16), tp and B: the heuristic's ``EngineConfig``,
+then every config one field away from it that the launch takes (a region's CTA rows over the cuts
+that divide its rows; ``block_k`` with each ring depth from 2 to 6). Each is checked first (front
+and merged: the logits and latent against the float64 contract; down: within 2 bfloat16 ulps of
+float64 at ``max(|y|, the row's RMS)``), then timed. The engine reads no table: this says whether ``heuristic_config``'s model picks well, and by
 how much the best cut beats it. A config that fails to compile or to check is listed and the run
 goes on; cases past ``--budget-s`` are skipped and listed. The table prints last; every timing goes
 to $OUT/tune_engine.json.
