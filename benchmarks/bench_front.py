@@ -11,8 +11,9 @@ exchange's all-gather would deliver every rank's, routing over all experts, the 
 shared expert's float32 partial sum (``parallel.rank_front`` without the collectives). Per layer,
 for ``xla``, ``auto`` and ``pallas`` in one process: the span (the program's first kernel start to
 its last kernel end in a profiler trace, divided by the layers: gaps and launches included), the
-CUPTI sum of its kernels, the host's wall clock, and the kernels launched. The floor is the layer's
-weight bytes at the read ceiling measured in the same run (XLA's float32 sum over 2 GiB of bf16).
+sum of its kernels' times (CUPTI's, from the same trace), the host's wall clock, and the kernels
+launched. The floor is the layer's weight bytes at the read ceiling measured in the same run
+(XLA's float32 sum over 2 GiB of bf16).
 The table prints last; everything goes to $OUT/bench_front.json (a variant that fails to compile
 or run is listed under "failed" with its error, and the run goes on), and the figure to
 $OUT/bench_front.png where matplotlib is installed.
@@ -21,6 +22,7 @@ $OUT/bench_front.png where matplotlib is installed.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -101,36 +103,35 @@ def read_ceiling_tbs() -> float:
 
 
 def measure(backend: str, tp: int, batch: int, params, calls: int) -> dict:
+    """One backend's layer: compile and run a program of ``len(params)`` layers, time the host's
+    wall clock over ``calls`` programs, then trace ``calls`` more (``timing.trace_programs``): per
+    layer, the median program's span and its kernels' summed time, both divided by the layers.
+    Programs whose kernel count is not the most common one (a trace that lost some) are left out
+    and counted."""
     cfg = params[0].cfg
     layers = len(params)
     xs = [timing.rows(batch, cfg.hidden, seed=i) for i in range(layers)]
     start = time.perf_counter()
     program = timing.chain_program(layer(backend, tp), xs, params)  # compiled and run once
     compile_s = time.perf_counter() - start
-    # One program per CUPTI window: a window of several programs' kernels overflowed CUPTI's
-    # buffer on an H100 (2026-12-06: "activity records were dropped").
-    sums, names = [], []
-    for _ in range(calls):
-        per_kernel = timing.cupti_us_per_kernel(lambda *_: program(), None, [None], rounds=1)
-        sums.append(sum(times[0] for times in per_kernel.values()))
-        names = list(per_kernel)
     walls = []
     for _ in range(calls):
         start = time.perf_counter()
         jax.block_until_ready(program())
         walls.append(time.perf_counter() - start)
-    traced = dict(kernels=names[: len(names) // layers])
-    timing.span(traced, program, programs=calls, calls=layers)
-    spans = [max(s + d for _, s, d in one) for one in traced.get("timeline", [])]
+    traced = timing.trace_programs(program, calls)
+    if not traced:
+        raise RuntimeError("the profiler trace holds no kernel on the GPU's streams")
+    count = collections.Counter(len(p) for p in traced).most_common(1)[0][0]
+    kept = [p for p in traced if len(p) == count]
     return dict(
         backend=backend, tp=tp, batch=batch, layers=layers, compile_s=round(compile_s, 1),
-        kernels_per_layer=len(names) / layers,
-        cupti_us=statistics.median(sums) / layers,
-        span_us=statistics.median(spans) / layers if spans else None,
-        span_error=traced.get("span_error"),
-        programs_traced=len(spans),
+        kernels_per_layer=count / layers,
+        cupti_us=statistics.median(sum(d for _, _, d in p) for p in kept) / layers,
+        span_us=statistics.median(max(s + d for _, s, d in p) for p in kept) / layers,
+        programs_traced=len(kept), programs_left_out=len(traced) - len(kept),
         wall_us=statistics.median(walls) * 1e6 / layers,
-        kernels=names[: len(names) // layers],
+        kernels=[name for name, _, _ in kept[0][: count // layers]],
     )
 
 

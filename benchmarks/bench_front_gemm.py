@@ -93,7 +93,7 @@ def main() -> None:
         compiled = dict(zip(keys, pool.map(compile_one, keys)))
     for key, error in failed.items():
         print("FAILED", key, error.splitlines()[0], flush=True)
-    rows = []
+    timed = []
     for tp in tps:
         shape = shapes[tp]
         for batch in batches:
@@ -106,7 +106,7 @@ def main() -> None:
                 row[name], kernels = cupti_us_per_call(compiled[tp, batch, name], xs[batch], weights[tp])
                 row[name.replace("us", "kernels")] = kernels
             row["tbs"] = row["us"] and tbs(shape.weight_bytes, row["us"])
-            rows.append(row)
+            timed.append(row)
             print(json.dumps(row), flush=True)
 
     # The whole front at tp1: GEMM + routing (the routing kernel where one is registered).
@@ -126,19 +126,19 @@ def main() -> None:
             ids, weights_ = registry.run("route", "auto", logits, bias, cfg)
             return ids, weights_, latent
 
-        gemm_us = next(r["us"] for r in rows if r["tp"] == 1 and r["batch"] == batch) if any(
-            r["tp"] == 1 and r["batch"] == batch for r in rows) else None
+        gemm_us = next(r["us"] for r in timed if r["tp"] == 1 and r["batch"] == batch) if any(
+            r["tp"] == 1 and r["batch"] == batch for r in timed) else None
         us, kernels = cupti_us_per_call(jax.jit(front), x, weights)
         fronts.append(dict(batch=batch, us=us, gemm_us=gemm_us, kernels=kernels, route=route_name))
         print(json.dumps(fronts[-1]), flush=True)
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_front_gemm.json"), "w") as f:
-        json.dump(dict(device=device.device_kind, rows=plot_rows(rows, shapes), floors=FLOORS,
-                       gemm=rows, front=fronts, failed=failed), f, indent=1)
+        json.dump(dict(device=device.device_kind, rows=plot_rows(timed, shapes), floors=FLOORS,
+                       gemm=timed, front=fronts, failed=failed), f, indent=1)
     print(f"\n{'tp':>3} {'B':>4} {'kernel':>8} {'TB/s':>6} {'floor':>6} {'x floor':>7} "
           f"{'+plan':>7} {'engine':>8} {'xla dot':>8} {'xla/k':>6} {'xla/eng':>7} {'xla stage':>9}   (us)")
-    for r in rows:
+    for r in timed:
         us, dot = r["us"], r["xla_dot_us"]
         plan = r["plan_us"] - us if r["plan_us"] is not None and us is not None else None
         print(f"{r['tp']:>3} {r['batch']:>4} {fmt(us)} {fmt(r['tbs'], 6)} {r['floor_us']:>6.2f} "
@@ -147,8 +147,8 @@ def main() -> None:
               f"{fmt(r['xla_stage_us'], 9)}")
     print(f"\nwhole front at tp1 (GEMM + route: {route_name})")
     for r in fronts:
-        ratio = f"{r['us'] / r['gemm_us']:.2f}x the GEMM" if r["gemm_us"] else ""
-        print(f"  B={r['batch']:>3}: {r['us']:.2f} us  {ratio}  kernels: {', '.join(r['kernels'])}")
+        times = f"{r['us'] / r['gemm_us']:.2f}x the GEMM" if r["gemm_us"] else ""
+        print(f"  B={r['batch']:>3}: {r['us']:.2f} us  {times}  kernels: {', '.join(r['kernels'])}")
 
 
 if __name__ == "__main__":

@@ -36,8 +36,11 @@ step() {  # step NAME COMMAND...: run under the step limit, log to $OUT/NAME.log
 }
 
 # pytest runs from tests/ so that `import moe_front_jax` is the copy gpu_env.sh installed.
-# (test_notebook.py holds no GPU test and needs nbformat, which the GPU image lacks.)
-step gpu_tests bash -c "cd tests && python3 -m pytest -q -m gpu -rs -p no:cacheprovider --ignore=test_notebook.py ${TESTS:-.}"
+# (test_notebook.py holds no GPU test and needs nbformat, which the GPU image lacks.) Each test's
+# name is logged, and a test still running after 60 s dumps every thread's stack: a kernel that
+# hangs shows where.
+step gpu_tests bash -c "cd tests && python3 -m pytest -v -m gpu -rs -p no:cacheprovider \
+  -o faulthandler_timeout=60 --ignore=test_notebook.py ${TESTS:-.}"
 [ "${DECODE:-1}" = 1 ] && step decode python3 examples/decode.py --batch 1 64 --steps 3 --backend pallas
 BENCHES=${BENCHES:-front route front_gemm shared_expert plan mailbox}
 for bench in $BENCHES; do

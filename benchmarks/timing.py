@@ -19,6 +19,7 @@ import os
 import re
 import statistics
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -290,6 +291,46 @@ def span(row: dict, program, programs: int = 12, calls: int = CHAIN) -> None:
             row.update(spans_of(json.load(f)["traceEvents"], row["kernels"], calls))
 
 
+PROGRAM_GAP_US = 500.0
+"""``trace_programs`` pauses 2 ms between programs; the GPU idles this long only between them."""
+
+
+def stream_kernels(events: list[dict]) -> list[tuple[float, float, str]]:
+    """``(start, end, name)`` of the kernels on a trace's GPU streams, in time order."""
+    streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
+               and e.get("name") == "thread_name"
+               and e.get("args", {}).get("name", "").startswith("Stream")}
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                  if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
+
+
+def programs_of(events: list[dict], gap_us: float = PROGRAM_GAP_US) -> list[list[tuple]]:
+    """A trace's GPU kernels cut into programs wherever the GPU idled over ``gap_us`` between two:
+    each program's kernels as ``(name, start, duration)`` in microseconds from its first start.
+    Needs no kernel names, so it holds for programs whose layers XLA fused differently."""
+    programs = []
+    for start, end, name in stream_kernels(events):
+        if not programs or start - programs[-1][-1][1] > gap_us:
+            programs.append([])
+        programs[-1].append((name, start, end))
+    return [[(name, round(s - p[0][1], 2), round(e - s, 2)) for name, s, e in p] for p in programs]
+
+
+def trace_programs(program, programs: int) -> list[list[tuple]]:
+    """Run ``program`` ``programs`` times, one at a time and 2 ms apart, under a profiler trace;
+    ``programs_of`` the trace. The trace's kernels are CUPTI's (the profiler subscribes to it), so
+    nothing else may time with CUPTI while it runs, nor after it in the same process (an H100
+    dropped activity records, 2026-12-07)."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            for _ in range(programs):
+                jax.block_until_ready(program())
+                time.sleep(0.002)
+        trace_file, = glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "*.trace.json.gz"))
+        with gzip.open(trace_file) as f:
+            return programs_of(json.load(f)["traceEvents"])
+
+
 def spans_of(events: list[dict], call_kernels: list[str], calls: int = CHAIN) -> dict:
     """From a trace's ``events`` (Chrome trace format) of ``chain_program`` programs of ``calls``
     calls, each launching ``call_kernels``, in order: ``call_span_us``, the median over the traced
@@ -300,11 +341,7 @@ def spans_of(events: list[dict], call_kernels: list[str], calls: int = CHAIN) ->
     across calls is taken. A count of kernels on the GPU's streams that is not a whole number of
     programs, or a program whose kernels are not its calls' one after another (``kernel_kind``),
     gives ``span_error`` alone."""
-    streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
-               and e.get("name") == "thread_name"
-               and e.get("args", {}).get("name", "").startswith("Stream")}
-    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                     if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
+    kernels = stream_kernels(events)
     per_call = len(call_kernels)
     size = per_call * calls
     if not kernels or len(kernels) % size:
