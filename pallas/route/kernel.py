@@ -20,8 +20,9 @@ on any schedule. ``permutation`` runs the same steps over given ids (after ``rou
 Cost (``route_bytes``, ``permute_bytes``): 3.7 KB a K3 row; the order ``16 lanes W + 24BK + 4E + 8``
 bytes, L2-resident (``W = ceil(B / 32)``; 20 KB at B = 1, 233 KB at B = 256). Latency-bound: the
 floor is a launch, a load and a store, about 1 us. On the H200 (``pallas/tuning/nvidia-h200/
-route.json``): 3.33 us at B=1, 3.55 at 64, 4.51 at 256, 3.6-3.9x XLA's route; the order not yet
-timed on a GPU (``benchmarks/bench_route.py`` times it beside XLA's top_k + argsort).
+route.json``): 3.33 us at B=1, 3.55 at 64, 4.51 at 256, 3.6-3.9x XLA's route. The order adds
+2.3-4.1 us at B <= 64 and 11.9 at 256 on the H100 (2026-12-07), 3.0-3.3x XLA's top_k + argsort:
+the last program's dependent L2 round trips (``finish_permutation``) dominate.
 """
 from __future__ import annotations
 
