@@ -521,6 +521,25 @@ def close_to_float64(got, y, tol):
     return (np.abs(np.asarray(got, np.float64) - y) <= tol * mag).all()
 
 
+GATE_UP_RTOL = 4e-5
+"""How far a float32 gate or up may lie from float64, relative to ``max(|y|, the row's RMS)``: one
+tensor-core chain over K3's 7168 (not cut as the logits' is) was 1.8-2.4x the logits' 1e-5
+(docs/findings.md, stream-K and the fold)."""
+
+
+def rounding_may_move(y):
+    """Where a value within ``GATE_UP_RTOL`` of float64 ``y`` may round to another bfloat16."""
+    mag = np.maximum(np.abs(y), np.sqrt((y**2).mean(axis=1, keepdims=True)))
+    low, high = ((y + sign * GATE_UP_RTOL * mag).astype(ml_dtypes.bfloat16) for sign in (-1, 1))
+    return low != high
+
+
+def test_rounding_may_move_only_near_a_bfloat16_midpoint():
+    one_ulp = 2.0**-7  # bfloat16's ulp at 1
+    y = np.array([[1.0, 1.0 + one_ulp / 2, 1.0 + one_ulp / 4, -1.0 - one_ulp / 2 + 1e-6]])
+    assert rounding_may_move(y).tolist() == [[False, True, False, True]]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [1, 8])
 def test_gpu_front_matches_float64(tp):
@@ -548,15 +567,17 @@ def test_gpu_front_matches_float64(tp):
         want = jax.jit(reference.mxfp8_plan)(latent)  # the reference's plan on the same device
         for got, ref in zip(plan_bytes(planned), plan_bytes(want)):
             np.testing.assert_array_equal(got, ref)
-        # hidden against situ of XLA's gate and up on the same device: equal but where a float32
-        # summation order moves a bfloat16 rounding (rare), and there within 1e-2.
+        # hidden against situ of the float64 gate and up rounded to bfloat16: bit-equal wherever
+        # a float32 sum within GATE_UP_RTOL of float64 rounds as float64 does, within 1e-2 where
+        # it need not (0.6% of tp1 B=1's values differed from situ of XLA's gate and up on an
+        # H100, 2026-12-07).
         hidden = np.asarray(merged(x, params.packed, params.gate_up)[3], np.float32)
-        h = jnp.dot(x, params.gate_up.T, preferred_element_type=jnp.float32)
-        s_r = cfg.shared_per_rank
-        want = np.asarray(reference.situ(reference.round_to_bfloat16(h[:, :s_r]),
-                                         reference.round_to_bfloat16(h[:, s_r:]),
-                                         cfg.situ_beta, cfg.linear_beta), np.float32)
-        assert (hidden != want).mean() < 1e-3, (tp, batch)
+        gate, up = np.split(product(x, params.gate_up), 2, axis=1)
+        want = np.asarray(reference.situ(*(jnp.asarray(g.astype(ml_dtypes.bfloat16))
+                                           for g in (gate, up)), cfg.situ_beta, cfg.linear_beta),
+                          np.float32)
+        loose = rounding_may_move(gate) | rounding_may_move(up)
+        np.testing.assert_array_equal(hidden[~loose], want[~loose], err_msg=f"tp={tp} B={batch}")
         assert close_to_float64(hidden, want.astype(np.float64), 1e-2), (tp, batch)
 
         xe, we = exact_front(batch, hidden=K3.hidden, valid=valid, split=split,
