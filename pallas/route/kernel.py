@@ -20,9 +20,10 @@ on any schedule. ``permutation`` runs the same steps over given ids (after ``rou
 Cost (``route_bytes``, ``permute_bytes``): 3.7 KB a K3 row; the order ``16 lanes W + 24BK + 4E + 8``
 bytes, L2-resident (``W = ceil(B / 32)``; 20 KB at B = 1, 233 KB at B = 256). Latency-bound: the
 floor is a launch, a load and a store, about 1 us. On the H200 (``pallas/tuning/nvidia-h200/
-route.json``): 3.33 us at B=1, 3.55 at 64, 4.51 at 256, 3.6-3.9x XLA's route. The order adds
-2.3-4.1 us at B <= 64 and 11.9 at 256 on the H100 (2026-12-07), 3.0-3.3x XLA's top_k + argsort:
-the last program's dependent L2 round trips (``finish_permutation``) dominate.
+route.json``): 3.33 us at B=1, 3.55 at 64, 4.51 at 256, 3.6-3.9x XLA's route. The order added
+2.3-4.1 us at B <= 64 and 11.9 at 256 on an H100 (2026-12-07, 2f9bfd6), 3.0-3.3x XLA's top_k +
+argsort, most of it the last program's dependent L2 round trips; ``finish_permutation`` has issued
+each step's loads together since (not yet timed).
 """
 from __future__ import annotations
 
@@ -53,8 +54,17 @@ loop over ``ceil(B / 32)`` bitmap columns and ``ceil(B / PERMUTE_CHUNK)`` row ch
 PERMUTE_CHUNK = 64
 """Rows of ids the last program turns into ``inverse`` and ``order`` per step (1024 K3 slots: 8
 per thread of 4 warps)."""
-PERMUTE_BLOCK = 64
-"""Rows per program of the standalone ``permutation`` kernel."""
+WAVE_ROWS = 256
+"""Rows whose ids and gathers the last program holds at once, so that their loads are in flight
+together (4 chunks: 32 values a thread of 4 warps)."""
+COLUMNS_HELD = 8
+"""Bitmap columns (B <= 256) the last program keeps in registers for the counts and the prefix
+(8 words a column a thread of 4 warps); more are loaded twice."""
+PERMUTE_BLOCK = 8
+"""Rows per program of the standalone ``permutation`` kernel: 128 slots to mark, one atomic a
+thread of 4 warps. At 64 rows (one CTA marking all 1024 slots of B=64, eight atomics a thread)
+it took 9.6 us at B=64 on an H100 (2026-12-07), where the routing kernel, a row a program, adds
+the same order in 4.1; 8 rows is not yet timed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,45 +218,62 @@ def finish_permutation(ids_ref, ws_ref, prefix_ref, order_ref, sizes_ref, invers
     The plain loads see every program's writes after the ticket's acquire: no line of the bitmap
     (touched only by atomics, at L2) or of the ids (only stored) can sit in this SM's L1 before it
     reads them (Pallas' ``.cg`` cache modifier does not lower in jax 0.11.2). Latency: one CTA's L2
-    round trips, ``2 + 3 ceil(B / PERMUTE_CHUNK)`` dependent steps, after the slowest ticket."""
+    round trips after the slowest ticket, each step's loads issued together: the columns and the
+    first ``WAVE_ROWS`` rows of ids, the prefix and the barrier, the gathers, the stores (4 steps
+    for B <= 256, 2 more for each further 256 rows). On an H100 the order took 2.3-4.1 us above
+    routing at B <= 64 and 11.9 at 256 with 3 steps a chunk of 64 rows (2026-12-07, 2f9bfd6)."""
     words = permute_words(batch)
     lane = lax.broadcasted_iota(jnp.int32, (lanes,), 0)
-
-    def column(w):
-        return plgpu.load(ws_ref.at[pl.ds(w * lanes, lanes)])
-
-    counts = lax.population_count(column(0))
-    for w in range(1, words):
-        counts = counts + lax.population_count(column(w))
-    plgpu.store(sizes_ref.at[pl.ds(0, lanes)], counts,
-                mask=None if lanes == experts else lane < experts)
-    running = jnp.cumsum(counts) - counts  # each expert's start: the exclusive prefix
-    for w in range(words):
-        plgpu.store(prefix_ref.at[pl.ds(w * lanes, lanes)], running)
-        if w + 1 < words:
-            running = running + lax.population_count(column(w))
-    if not interpret:  # interpret mode runs programs one at a time (and has no barrier rule)
-        plgpu.debug_barrier()  # the prefix, stored by every thread, before any thread gathers it
     chunk = min(PERMUTE_CHUNK, next_power_of_2(batch))
     slot = lax.broadcasted_iota(jnp.int32, (1, slots), 1)
-    for first in range(0, batch, chunk):
+    firsts = list(range(0, batch, chunk))
+    per_wave = max(1, WAVE_ROWS // chunk)
+    waves = [firsts[i:i + per_wave] for i in range(0, len(firsts), per_wave)]
+
+    def load_ids(first):
         rows = first + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
         ok = (rows < batch) & (slot < k)
         mask = None if first + chunk <= batch and slots == k else ok
         # A traced start: a static one past the end fails the indexer's bounds check.
         ids = plgpu.load(ids_ref.at[pl.ds(jnp.int32(first), chunk), pl.ds(0, slots)], mask=mask,
                          other=None if mask is None else 0)
-        at = (rows >> 5) * lanes + ids
-        if mask is not None:
-            at = jnp.where(ok, at, 0)
-        start = plgpu.load(prefix_ref.at[at], mask=mask, other=None if mask is None else 0)
-        word = plgpu.load(ws_ref.at[at], mask=mask, other=None if mask is None else 0)
-        below = word & (jnp.left_shift(jnp.int32(1), rows & 31) - 1)  # tokens below t in the word
-        inverse = start + lax.population_count(below)
-        plgpu.store(inverse_ref.at[pl.ds(jnp.int32(first), chunk), pl.ds(0, slots)], inverse,
-                    mask=mask)
-        target = inverse if mask is None else jnp.where(ok, inverse, batch * k)  # past the end
-        plgpu.store(order_ref.at[target], rows * k + slot, mask=mask)
+        return first, rows, ok, mask, ids
+
+    def column(w):
+        return plgpu.load(ws_ref.at[pl.ds(w * lanes, lanes)])
+
+    first_ids = [load_ids(first) for first in waves[0]]  # in flight beside the columns' loads
+    held = [column(w) for w in range(words)] if words <= COLUMNS_HELD else None
+    col = (lambda w: held[w]) if held is not None else column
+    counts = lax.population_count(col(0))
+    for w in range(1, words):
+        counts = counts + lax.population_count(col(w))
+    plgpu.store(sizes_ref.at[pl.ds(0, lanes)], counts,
+                mask=None if lanes == experts else lane < experts)
+    running = jnp.cumsum(counts) - counts  # each expert's start: the exclusive prefix
+    for w in range(words):
+        plgpu.store(prefix_ref.at[pl.ds(w * lanes, lanes)], running)
+        if w + 1 < words:
+            running = running + lax.population_count(col(w))
+    if not interpret:  # interpret mode runs programs one at a time (and has no barrier rule)
+        plgpu.debug_barrier()  # the prefix, stored by every thread, before any thread gathers it
+    for n, wave in enumerate(waves):
+        loaded = first_ids if n == 0 else [load_ids(first) for first in wave]
+        gathered = []
+        for first, rows, ok, mask, ids in loaded:
+            at = (rows >> 5) * lanes + ids
+            if mask is not None:
+                at = jnp.where(ok, at, 0)
+            start = plgpu.load(prefix_ref.at[at], mask=mask, other=None if mask is None else 0)
+            word = plgpu.load(ws_ref.at[at], mask=mask, other=None if mask is None else 0)
+            gathered.append((first, rows, ok, mask, start, word))
+        for first, rows, ok, mask, start, word in gathered:
+            below = word & (jnp.left_shift(jnp.int32(1), rows & 31) - 1)  # tokens below t
+            inverse = start + lax.population_count(below)
+            plgpu.store(inverse_ref.at[pl.ds(jnp.int32(first), chunk), pl.ds(0, slots)], inverse,
+                        mask=mask)
+            target = inverse if mask is None else jnp.where(ok, inverse, batch * k)  # past the end
+            plgpu.store(order_ref.at[target], rows * k + slot, mask=mask)
 
 
 def arrive(ws_ref, *, batch: int, lanes: int, programs: int, interpret: bool, finish) -> None:
