@@ -132,6 +132,7 @@ def measure(backend: str, tp: int, batch: int, params, calls: int) -> dict:
         programs_traced=len(kept), programs_left_out=len(traced) - len(kept),
         wall_us=statistics.median(walls) * 1e6 / layers,
         kernels=[name for name, _, _ in kept[0][: count // layers]],
+        program_kernels=[name for name, _, _ in kept[0]],
     )
 
 

@@ -305,14 +305,15 @@ def stream_kernels(events: list[dict]) -> list[tuple[float, float, str]]:
 
 
 def programs_of(events: list[dict], gap_us: float = PROGRAM_GAP_US) -> list[list[tuple]]:
-    """A trace's GPU kernels cut into programs wherever the GPU idled over ``gap_us`` between two:
-    each program's kernels as ``(name, start, duration)`` in microseconds from its first start.
+    """A trace's GPU kernels cut into programs wherever the GPU idled over ``gap_us`` (from the
+    latest end so far to the next start): each program's kernels as ``(name, start, duration)`` in microseconds from its first start.
     Needs no kernel names, so it holds for programs whose layers XLA fused differently."""
-    programs = []
+    programs, last_end = [], None
     for start, end, name in stream_kernels(events):
-        if not programs or start - programs[-1][-1][1] > gap_us:
+        if last_end is None or start - last_end > gap_us:
             programs.append([])
         programs[-1].append((name, start, end))
+        last_end = end if last_end is None else max(last_end, end)
     return [[(name, round(s - p[0][1], 2), round(e - s, 2)) for name, s, e in p] for p in programs]
 
 

@@ -89,9 +89,11 @@ def test_chain_program_orders_the_calls(call_spans):
 def test_programs_are_cut_where_the_gpu_idles(call_spans):
     """``programs_of``: kernels 2 ms apart start a new program, whatever their names; each
     program's times count from its own first start."""
-    first = [("fusion_1", 100.0, 5.0), ("kernel_a", 106.0, 3.0), ("fusion_7", 140.0, 2.0)]
-    second = [("fusion_2", 2300.0, 4.0), ("kernel_a", 2305.0, 3.0)]
+    # A long kernel (900 us) ends 100 us before the next starts: one program, though the starts
+    # are 1000 us apart.
+    first = [("fusion_1", 100.0, 5.0), ("kernel_a", 106.0, 900.0), ("fusion_7", 1106.0, 2.0)]
+    second = [("fusion_2", 3300.0, 4.0), ("kernel_a", 3305.0, 3.0)]
     programs = call_spans.programs_of(trace(first + second))
-    assert programs == [[("fusion_1", 0.0, 5.0), ("kernel_a", 6.0, 3.0), ("fusion_7", 40.0, 2.0)],
+    assert programs == [[("fusion_1", 0.0, 5.0), ("kernel_a", 6.0, 900.0), ("fusion_7", 1006.0, 2.0)],
                         [("fusion_2", 0.0, 4.0), ("kernel_a", 5.0, 3.0)]]
     assert call_spans.programs_of(trace([])) == []
