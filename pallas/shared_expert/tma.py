@@ -14,7 +14,8 @@ The epilogues run on the accumulators' registers (gate/up: bf16 rounding and sit
 TMA-store the tile through shared memory. Where K is split (tp8: 768 gate rows are 12 CTAs) or the
 output is float32, CTAs store float32 partials and XLA sums them and runs the epilogue as one
 fusion; the gate/up's ``hidden`` is left as the partials lie, ``[S_r, Bp]`` (``gate_up_situ_t``).
-Each kernel waits first thing for the one before, to be launched with PDL (``gemm.mosaic.LAUNCH_WITH_PDL``).
+Each kernel waits first thing for the one before, to be launched with PDL
+(``gemm.mosaic.LAUNCH_WITH_PDL``).
 
 Cost per call (bf16 = 2 bytes; ``Bp`` the padded batch; ``s1``, ``s2`` the kernels' split_k):
   bytes = 2 * 3 S_r H                  both weights, read once: 264.2 MB at tp1, 33.0 MB at tp8
