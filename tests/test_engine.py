@@ -92,11 +92,12 @@ def down_interpret(hidden, down, *, out_dtype, config=None):
 # --- interpret mode ----------------------------------------------------------------------------------
 
 # Configs: the heuristic's; 4 logits chains of 16-column slices (fold_k 64 of K 256) with 8-row
-# router CTAs; 2-stage rings of 128 columns with 32-row CTAs.
+# router CTAs; 2-stage rings of 128 columns with 32-row CTAs, x not padded to 64 rows (its TMA box
+# runs past them).
 FRONT_CONFIGS = (
     None,
     EngineConfig(router_rows=8, latent_rows=16, block_k=64, num_stages=3, fold_k=64),
-    EngineConfig(router_rows=32, latent_rows=64, block_k=128, num_stages=2),
+    EngineConfig(router_rows=32, latent_rows=64, block_k=128, num_stages=2, pad_x=False),
 )
 
 
@@ -140,7 +141,7 @@ def test_interpret_front_gemm_random_data_within_contract():
 GATE_UP_CONFIGS = (
     None,
     EngineConfig(router_rows=16, latent_rows=64, gate_up_rows=16, block_k=64, num_stages=3,
-                 fold_k=128),
+                 fold_k=128, pad_x=False),
 )
 
 
@@ -189,7 +190,7 @@ def test_interpret_plan_of_non_finite_latent():
     assert (want_scales[:, 0] == 254).all() and (want_scales[:, 2] == 254).all()
 
 
-DOWN_CONFIGS = (None, EngineConfig(down_rows=64, block_k=32, num_stages=2))
+DOWN_CONFIGS = (None, EngineConfig(down_rows=64, block_k=32, num_stages=2, pad_x=False))
 
 
 @pytest.mark.parametrize("config", DOWN_CONFIGS)
@@ -302,6 +303,7 @@ def test_covers_errors():
 @pytest.mark.parametrize("field, value", [
     ("router_rows", 12), ("latent_rows", 264), ("gate_up_rows", 136), ("down_rows", 0),
     ("block_k", 96), ("block_k", 16), ("num_stages", 1), ("fold_k", 96), ("router_rows", 32.0),
+    ("pad_x", 1),
 ])
 def test_config_errors(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} must be"):

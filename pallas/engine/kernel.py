@@ -1,27 +1,28 @@
 """The streaming engine: one Mosaic GPU launch streams a stack of weight row regions against ``x``.
 
 Every CTA owns ``rows`` consecutive rows of one region over all of K (no split): a ring of
-``num_stages`` TMA stages of ``block_k`` columns feeds wgmma with ``x``'s rows, zero-filled to 64,
-as M and the CTA's rows as N (tma.py's ``batch_m``). Each region has its own epilogue on the
+``num_stages`` TMA stages of ``block_k`` columns feeds wgmma with ``x``'s rows, zero-padded to
+64 (``pad_x``), as M and the CTA's rows as N (tma.py's ``batch_m``). Each region has its own epilogue on the
 accumulator registers, TMA-stored through shared memory: router rows -> float32 logits (K cut into
 chains of at most ``fold_k``); latent rows -> bfloat16 latent (and its MXFP8 plan); gate/up pairs
 (two accumulators) -> ``situ(bf16(gate), bf16(up))``; down rows -> bfloat16, or a float32 partial.
 The CTA -> region map is static; regions run biggest CTAs first; every kernel waits first thing
 (``griddepcontrol_wait``) to be launched with PDL.
 
-Cost per call (bf16 = 2 bytes; ``Bp`` = B rounded up to 8 where B > 8; ``shard = n - split``):
+Cost per call (bf16 = 2 bytes; ``shard = n - split``):
   front     bytes = 2 (valid + shard) H            64.2 MB tp1, 8.0 MB tp8 (K3)
                   + 2 B H + 4 B valid + 2 B shard  x read, logits and latent written
                   + B shard (1 + 1/32)             the plan, when asked for
   gate/up   bytes += 2 * 2 S_r H + 2 B S_r         176.2 MB tp1, 22.0 MB tp8; hidden written
   down      bytes = 2 H S_r + 2 B S_r + B H (2|4)   88.1 MB tp1, 11.0 MB tp8
-  x (or hidden) is re-read from L2 by every CTA: 2 Bp K per CTA, not HBM traffic.
+  x (or hidden), padded to 64 rows, is re-read from L2 by every CTA: 128 K bytes a CTA, not HBM
+  traffic; the pad writes 128 K bytes once, where XLA does not fold it into x's producer.
   FLOPs = 2 * 64 * (weight rows) * K on the tensor cores (M is 64 whatever B; 2 B per weight
   element useful): memory-bound at every B <= 64.
 Floor at the H200's 4.65 TB/s: front 13.8 us tp1, 1.73 us tp8; merged front (front + gate/up)
 51.7 us tp1, 6.5 us tp8; down 18.9 us tp1, 2.4 us tp8. Measured on an H100 (2026-12-07,
-docs/findings.md): the front 26.7 us at tp1 B=64 but 41-42 at B <= 8; merged front, routing and
-down 131-132 us a tp1 layer (floor 103 at its 3.19 TB/s).
+docs/findings.md), before ``pad_x``: the front 26.7 us at tp1 B=64 but 41-42 at B <= 8; merged
+front, routing and down 131-132 us a tp1 layer (floor 103 at its 3.19 TB/s).
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ class EngineConfig:
       num_stages: TMA stages in the ring, at least 2.
       fold_k: most K columns one accumulation chain of the logits covers (``chains_for``); a
         multiple of ``block_k``.
+      pad_x: zero-pad ``x`` to 64 rows in XLA before the launch (one small fusion, or none where
+        XLA folds it into ``x``'s producer), so that each stage's TMA box of ``x`` lies inside it.
+        Off, the box runs past ``x``'s rows and the copy engine zero-fills them: on an H100 the
+        same tiling took 41-42 us at tp1 B <= 8 against 26.7 at B=64 (docs/findings.md).
     """
 
     router_rows: int = 32
@@ -95,6 +100,7 @@ class EngineConfig:
     block_k: int = 128
     num_stages: int = 4
     fold_k: int = FOLD_K
+    pad_x: bool = True
 
     def __post_init__(self):
         name = type(self).__name__
@@ -112,6 +118,8 @@ class EngineConfig:
         if type(self.fold_k) is not int or self.fold_k < k or self.fold_k % k:
             raise ValueError(f"{name}.fold_k must be a positive multiple of block_k={k}, got "
                              f"{self.fold_k!r}")
+        if type(self.pad_x) is not bool:
+            raise ValueError(f"{name}.pad_x must be a bool, got {self.pad_x!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,8 +199,7 @@ def _block_ks(depth: int) -> tuple[int, ...]:
     return wide or tuple(k for k in (64, 32) if depth % k == 0)[:1]
 
 
-def cut(regions: tuple[tuple[int, int, int, int], ...], batch: int, depth: int,
-        cores: int) -> tuple[int, tuple[int, ...], int]:
+def cut(regions: tuple[tuple[int, int, int, int], ...], depth: int, cores: int) -> tuple[int, tuple[int, ...], int]:
     """``(block_k, CTA rows per region, stages)`` for regions ``(rows, parts, multiple, chains)``:
     the cut whose CTAs, longest first, end soonest on ``cores`` SMs (``makespan`` of
     ``_cta_time``, each SM at its share of the read rate: a model of a full machine); among
@@ -200,7 +207,7 @@ def cut(regions: tuple[tuple[int, int, int, int], ...], batch: int, depth: int,
     (``parts`` or ``chains`` of them) stay within ``MAX_ACC_REGS``; its ring keeps 3 stages or
     more. Raises
     NotImplementedError where a region cannot be cut."""
-    x_rows = tma_rows(batch)
+    x_rows = MAX_BATCH  # the heuristic's configs pad x to 64 rows (pad_x)
     options = []
     for rows, parts, multiple, chains in regions:
         most = min(MAX_ROWS, 2 * MAX_ACC_REGS // max(parts, chains))
@@ -234,14 +241,14 @@ def heuristic_config(batch: int, depth: int, router: int = 0, latent: int = 0, g
                      down: int = 0, plan_block: int = 0, cores: int = 132) -> EngineConfig:
     """A tiling for a device without a table (``cut``): rows of each present region (0 rows: the
     region is absent and keeps the default), ``block_k`` and the ring's depth; ``x`` ``[batch,
-    depth]``."""
+    depth]``. The cut does not depend on ``batch``: ``x`` is padded to 64 rows (``pad_x``)."""
     chains = chains_for(depth, FOLD_K, max(_block_ks(depth), default=32))
     present = [(name, rows, parts, multiple, c) for name, rows, parts, multiple, c in (
         ("router_rows", router, 1, ROW_STEP, chains),
         ("latent_rows", latent, 1, plan_block or ROW_STEP, 1),
         ("gate_up_rows", gate_up, 2, ROW_STEP, 1),
         ("down_rows", down, 1, ROW_STEP, 1)) if rows]
-    block_k, combo, stages = cut(tuple(p[1:] for p in present), batch, depth, cores)
+    block_k, combo, stages = cut(tuple(p[1:] for p in present), depth, cores)
     fields = {name: r for (name, *_), r in zip(present, combo)}
     return EngineConfig(**fields, block_k=block_k, num_stages=stages)
 
@@ -397,11 +404,19 @@ def _epilogue(region: Region, accs, outs, column, bp: int, ep: _Epilogue) -> Non
     _store(tiles, dsts, bp)
 
 
+def x_operand(x, config: EngineConfig) -> jax.Array:
+    """``x`` ``[B, K]`` as a launch reads it: 64 rows where ``config.pad_x``, else ``tma_rows(B)``
+    (``pad_rows``). Either way the launch writes ``tma_rows(B)`` rows of each output."""
+    if config.pad_x and x.shape[0] < MAX_BATCH:
+        return jnp.pad(x, ((0, MAX_BATCH - x.shape[0]), (0, 0)))
+    return pad_rows(x)
+
+
 def _launch(x, weights, regions: tuple[Region, ...], out_types, config: EngineConfig,
             ep: _Epilogue, interpret: bool, name: str):
-    """One kernel over ``regions`` (biggest CTAs first); returns the outputs, each
-    ``[tma_rows(B), ...]``."""
-    bp = x.shape[0]
+    """One kernel over ``regions`` (biggest CTAs first) on ``x_operand(x)``; returns the
+    outputs, each ``[tma_rows(B), ...]`` as ``out_types`` say."""
+    bp = out_types[0].shape[0]
     chains = chains_for(x.shape[1], config.fold_k, config.block_k)
     order = sorted(regions, key=lambda r: -len(r.first_rows) * r.cta_rows)
     starts, total = [], 0
@@ -430,7 +445,7 @@ def _launch(x, weights, regions: tuple[Region, ...], out_types, config: EngineCo
     return plgpu.kernel(
         kernel, out_type=tuple(out_types), grid=(total,), grid_names=("cta",),
         interpret=interpret_params(interpret), kernel_name=name,
-    )(x, *weights)
+    )(x_operand(x, config), *weights)
 
 
 # --- checks ------------------------------------------------------------------------------------------
@@ -616,10 +631,9 @@ def front_gemm(x, packed, split: int, valid: int, *, config: EngineConfig | None
     covers_front_gemm(x, packed, split, valid, config=config)
     config = _front_config(x, packed, split, valid, 0, 0, config)
     batch, shard = x.shape[0], packed.shape[0] - split
-    xp = pad_rows(x)
-    bp = xp.shape[0]
+    bp = tma_rows(batch)
     logits, latent = _launch(
-        xp, (packed,), tuple(_front_regions(valid, split, shard, config)),
+        x, (packed,), tuple(_front_regions(valid, split, shard, config)),
         (jax.ShapeDtypeStruct((bp, valid), jnp.float32),
          jax.ShapeDtypeStruct((bp, shard), jnp.bfloat16)),
         config, _Epilogue(), interpret, "engine_front_gemm")
@@ -647,8 +661,7 @@ def front_gate_up(x, packed, split: int, valid: int, gate_up, cfg: FrontConfig, 
     config = _front_config(x, packed, split, valid, s_r, cfg.plan_block if plan else 0, config,
                            _tiling_block(packed, split, cfg))
     batch, shard = x.shape[0], packed.shape[0] - split
-    xp = pad_rows(x)
-    bp = xp.shape[0]
+    bp = tma_rows(batch)
     block = cfg.plan_block if plan else 0
     router, latent = _front_regions(valid, split, shard, config)
     f32, bf16 = jnp.float32, jnp.bfloat16
@@ -660,7 +673,7 @@ def front_gate_up(x, packed, split: int, valid: int, gate_up, cfg: FrontConfig, 
     regions = (router, latent, Region(GATE_UP, 1, (0, s_r), s_r, config.gate_up_rows,
                                       (len(outs),)))
     outs.append(jax.ShapeDtypeStruct((bp, s_r), bf16))
-    out = _launch(xp, (packed, gate_up), regions, outs, config,
+    out = _launch(x, (packed, gate_up), regions, outs, config,
                   _Epilogue(cfg.situ_beta, cfg.linear_beta, plan_block=block), interpret,
                   "engine_front_gate_up_plan" if plan else "engine_front_gate_up")
     logits, latent_out, *planned, hidden = (a[:batch] for a in out)
@@ -678,9 +691,8 @@ def down(hidden, down, out_dtype=jnp.bfloat16, *, config: EngineConfig | None = 
     covers_down(hidden, down, out_dtype, config=config)
     config = _down_config(hidden, down, config)
     batch, rows = hidden.shape[0], down.shape[0]
-    hp = pad_rows(hidden)
     (out,) = _launch(
-        hp, (down,), (Region(DOWN, 0, (0,), rows, config.down_rows, (0,)),),
-        (jax.ShapeDtypeStruct((hp.shape[0], rows), out_dtype),), config,
+        hidden, (down,), (Region(DOWN, 0, (0,), rows, config.down_rows, (0,)),),
+        (jax.ShapeDtypeStruct((tma_rows(batch), rows), out_dtype),), config,
         _Epilogue(out_dtype=out_dtype), interpret, "engine_down")
     return out[:batch]
