@@ -537,19 +537,21 @@ def roundings(y):
                  for sign in (-1, 1))
 
 
-def situ_allows(hidden, gate, up, cfg):
-    """Where ``hidden`` is situ of one of the bfloat16 roundings (``roundings``) of the float64
-    ``gate`` and ``up``, as a float32 sum within ``GATE_UP_RTOL`` of them may give."""
-    hidden = np.asarray(hidden, np.float32)
-    ok = np.zeros(hidden.shape, bool)
+def situ_distance(hidden, gate, up, cfg):
+    """How far ``hidden`` lies, in bfloat16 ulps, from situ of the nearest pair of bfloat16
+    roundings (``roundings``) of the float64 ``gate`` and ``up`` that a float32 sum within
+    ``GATE_UP_RTOL`` of them may give: 0 where it is situ of one of them."""
+    hidden = jnp.asarray(hidden, jnp.bfloat16)
+    distance = None
     for g in roundings(gate):
         for u in roundings(up):
-            ok |= hidden == np.asarray(reference.situ(g, u, cfg.situ_beta, cfg.linear_beta),
-                                       np.float32)
-    return ok
+            d = oracle.bf16_ulp_distance(hidden, reference.situ(g, u, cfg.situ_beta,
+                                                                cfg.linear_beta))
+            distance = d if distance is None else np.minimum(distance, d)
+    return distance
 
 
-def test_situ_allows_either_rounding_only_near_a_midpoint():
+def test_situ_distance_allows_either_rounding_only_near_a_midpoint():
     one_ulp = 2.0**-7  # bfloat16's ulp at 1
     gate = np.array([[1.0, 1.0 + one_ulp / 2, 1.0 + one_ulp / 4, -1.0 - one_ulp / 2 + 1e-6]])
     up = np.full_like(gate, 0.5)
@@ -557,12 +559,12 @@ def test_situ_allows_either_rounding_only_near_a_midpoint():
     assert (np.asarray(low) != np.asarray(high)).tolist() == [[False, True, False, True]]
     situ = functools.partial(reference.situ, beta=SMALL.situ_beta, linear_beta=SMALL.linear_beta)
     half = jnp.full(gate.shape, 0.5, jnp.bfloat16)
-    for g in (low, high):  # either rounding of the midpoints is allowed
-        assert situ_allows(situ(g, half), gate, up, SMALL).all()
-    # One ulp past the roundings is refused, at a midpoint and away from them (the positive
-    # values: near -1 situ's bfloat16 output repeats from one input ulp to the next).
+    for g in (low, high):  # either rounding of the midpoints is at distance 0
+        assert (situ_distance(situ(g, half), gate, up, SMALL) == 0).all()
+    # One ulp past the roundings is at distance 1 or more, at a midpoint and away from them (the
+    # positive values: near -1 situ's bfloat16 output repeats from one input ulp to the next).
     past = jnp.asarray((np.asarray(high, np.float64) + one_ulp).astype(ml_dtypes.bfloat16))
-    assert not situ_allows(situ(past, half), gate, up, SMALL)[:, :3].any()
+    assert (situ_distance(situ(past, half), gate, up, SMALL)[:, :3] >= 1).all()
 
 
 @pytest.mark.gpu
@@ -570,9 +572,9 @@ def test_situ_allows_either_rounding_only_near_a_midpoint():
 def test_gpu_front_matches_float64(tp):
     """Logits within 1e-5 of the float64 product, the latent within one bfloat16 ulp, from the
     front alone and from the merged front; the plan bit-equal to the reference's plan of the same
-    latent on the same device; ``hidden`` equal to situ of XLA's gate and up but where a rounding
-    moves; on exact data all exact and ``hidden`` bit-equal to the reference situ of the exact gate
-    and up."""
+    latent on the same device; ``hidden`` within one bfloat16 ulp of situ of the float64 gate and
+    up's roundings; on exact data the logits, latent and plan exact and ``hidden`` within one ulp of
+    the reference situ of the exact gate and up."""
     cfg = K3.with_tp(tp)
     params = mf.pack_params(k3_weights(), cfg)
     valid, split = cfg.experts_per_rank, params.split
@@ -592,13 +594,19 @@ def test_gpu_front_matches_float64(tp):
         want = jax.jit(reference.mxfp8_plan)(latent)  # the reference's plan on the same device
         for got, ref in zip(plan_bytes(planned), plan_bytes(want)):
             np.testing.assert_array_equal(got, ref)
-        # hidden against situ of the float64 gate and up: each value situ of a bfloat16 rounding
-        # that a float32 sum within GATE_UP_RTOL of them may give (bit-equal to the float64
-        # rounding's away from a midpoint; 0.6% of tp1 B=1's values differed from situ of XLA's
-        # gate and up on an H100, 2026-12-07), and all within 1e-2 of it.
+        # hidden against situ of the float64 gate and up: each value within one bfloat16 ulp of
+        # situ of a bfloat16 rounding that a float32 sum within GATE_UP_RTOL of them may give, and
+        # all within 1e-2 of it (SPEC's bound for the shared expert). The ulp: the kernel's tanh
+        # and sigmoid (Mosaic GPU's) and XLA's differ in float32's last bits, so situ's own
+        # rounding may land one bfloat16 ulp apart (on an H100, 2026-12-07, some of tp1 B=1's
+        # values were not situ of either rounding exactly).
         hidden = merged(x, params.packed, params.gate_up)[3]
         gate, up = np.split(product(x, params.gate_up), 2, axis=1)
-        assert situ_allows(hidden, gate, up, cfg).all(), (tp, batch)
+        distance = situ_distance(hidden, gate, up, cfg)
+        off = (f"tp{tp} B={batch}: {(distance > 0).sum()} of {distance.size} values off situ, "
+               f"{(distance > 1).sum()} by 2 ulps or more")
+        print(off)  # shown by pytest -rP: how often the two situs part
+        assert (distance <= 1).all(), off
         want = reference.situ(*(jnp.asarray(g.astype(ml_dtypes.bfloat16)) for g in (gate, up)),
                               cfg.situ_beta, cfg.linear_beta)
         assert close_to_float64(np.asarray(hidden, np.float32),
@@ -615,7 +623,10 @@ def test_gpu_front_matches_float64(tp):
         want = reference.situ(*(jnp.asarray(h.astype(ml_dtypes.bfloat16)) for h in
                                 np.split(product(xe, ge), 2, axis=1)), cfg.situ_beta,
                               cfg.linear_beta)
-        np.testing.assert_array_equal(bits(merged(xe, we, ge)[3]), bits(want))
+        distance = oracle.bf16_ulp_distance(merged(xe, we, ge)[3], want)
+        off = f"tp{tp} B={batch} exact data: {(distance > 0).sum()} of {distance.size} values off situ"
+        print(off)
+        assert (distance <= 1).all(), off
 
 
 @pytest.mark.gpu
