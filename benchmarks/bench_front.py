@@ -231,13 +231,14 @@ def main() -> None:
     with open(os.path.join(args.out, "bench_front.json"), "w") as f:
         json.dump(result, f, indent=1)
     draw(rows, os.path.join(args.out, "bench_front.png"))
+    backends = args.backends.split(",")
     print("\n| tp | B | floor | " + " | ".join(f"{b} span / CUPTI / wall (kernels)" for b in
-                                              args.backends.split(",")) + " | xla / auto span |")
-    print("| --- " * (4 + len(args.backends.split(","))) + "|")
+                                              backends) + " | xla / auto span |")
+    print("| --- " * (4 + len(backends)) + "|")
     for tp, batch in dict.fromkeys((r["tp"], r["batch"]) for r in rows):
         mine = {r["backend"]: r for r in rows if (r["tp"], r["batch"]) == (tp, batch)}
         cells = [f"{r['span_us'] or float('nan'):.1f} / {r['cupti_us']:.1f} / {r['wall_us']:.0f} "
-                 f"({r['kernels_per_layer']:g})" for r in mine.values()]
+                 f"({r['kernels_per_layer']:.3g})" if (r := mine.get(b)) else "-" for b in backends]
         ratio = (mine["xla"]["span_us"] / mine["auto"]["span_us"]
                  if {"xla", "auto"} <= set(mine) and mine["auto"]["span_us"] else float("nan"))
         floor = next(iter(mine.values()))["floor_us"]

@@ -89,8 +89,8 @@ class EngineConfig:
         multiple of ``block_k``.
       pad_x: zero-pad ``x`` to 64 rows in XLA before the launch (one small fusion, or none where
         XLA folds it into ``x``'s producer), so that each stage's TMA box of ``x`` lies inside it.
-        Off, the box runs past ``x``'s rows and the copy engine zero-fills them: on an H100 the
-        same tiling took 41-42 us at tp1 B <= 8 against 26.7 at B=64 (docs/findings.md).
+        Off, the box runs past ``x``'s rows and the copy engine zero-fills them, which costs where
+        a CTA's weight rows are fewer than the box (``heuristic_config``).
     """
 
     router_rows: int = 32
@@ -207,7 +207,7 @@ def cut(regions: tuple[tuple[int, int, int, int], ...], depth: int, cores: int) 
     (``parts`` or ``chains`` of them) stay within ``MAX_ACC_REGS``; its ring keeps 3 stages or
     more. Raises
     NotImplementedError where a region cannot be cut."""
-    x_rows = MAX_BATCH  # the heuristic's configs pad x to 64 rows (pad_x)
+    x_rows = MAX_BATCH  # x's TMA box, padded or zero-filled
     options = []
     for rows, parts, multiple, chains in regions:
         most = min(MAX_ROWS, 2 * MAX_ACC_REGS // max(parts, chains))
@@ -241,7 +241,10 @@ def heuristic_config(batch: int, depth: int, router: int = 0, latent: int = 0, g
                      down: int = 0, plan_block: int = 0, cores: int = 132) -> EngineConfig:
     """A tiling for a device without a table (``cut``): rows of each present region (0 rows: the
     region is absent and keeps the default), ``block_k`` and the ring's depth; ``x`` ``[batch,
-    depth]``. The cut does not depend on ``batch``: ``x`` is padded to 64 rows (``pad_x``)."""
+    depth]``. The cut does not depend on ``batch``. ``pad_x`` where every CTA's weight rows (gate/up:
+    both parts) are fewer than ``x``'s 64-row box, whose zero fill then sets a stage's pace: on an
+    H100 at B=8 (2026-12-07) padding took the front 41.5 -> 28.4 us at tp1 and 13.6 -> 11.3 at
+    tp8, the merged front 25.7 -> 17.3 at tp8, but 91.1 -> 93.9 at tp1 (128-row CTAs)."""
     chains = chains_for(depth, FOLD_K, max(_block_ks(depth), default=32))
     present = [(name, rows, parts, multiple, c) for name, rows, parts, multiple, c in (
         ("router_rows", router, 1, ROW_STEP, chains),
@@ -250,7 +253,8 @@ def heuristic_config(batch: int, depth: int, router: int = 0, latent: int = 0, g
         ("down_rows", down, 1, ROW_STEP, 1)) if rows]
     block_k, combo, stages = cut(tuple(p[1:] for p in present), depth, cores)
     fields = {name: r for (name, *_), r in zip(present, combo)}
-    return EngineConfig(**fields, block_k=block_k, num_stages=stages)
+    widest = max(parts * r for (_, _, parts, _, _), r in zip(present, combo))
+    return EngineConfig(**fields, block_k=block_k, num_stages=stages, pad_x=widest < MAX_BATCH)
 
 
 # --- the kernel --------------------------------------------------------------------------------------
