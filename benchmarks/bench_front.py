@@ -105,7 +105,8 @@ def read_ceiling_tbs() -> float:
 def measure(backend: str, tp: int, batch: int, params, calls: int) -> dict:
     """One backend's layer: compile and run a program of ``len(params)`` layers, time the host's
     wall clock over ``calls`` programs, then trace ``calls`` more (``timing.trace_programs``): per
-    layer, the median program's span and its kernels' summed time, both divided by the layers.
+    layer, the median program's span and its kernels' summed time, both divided by the layers,
+    and each kernel name's summed time a layer (``kernel_us``).
     Programs whose kernel count is not the most common one (a trace that lost some) are left out
     and counted."""
     cfg = params[0].cfg
@@ -124,6 +125,9 @@ def measure(backend: str, tp: int, batch: int, params, calls: int) -> dict:
         raise RuntimeError("the profiler trace holds no kernel on the GPU's streams")
     count = collections.Counter(len(p) for p in traced).most_common(1)[0][0]
     kept = [p for p in traced if len(p) == count]
+    names = dict.fromkeys(name for name, _, _ in kept[0])
+    kernel_us = {name: statistics.median(sum(d for n, _, d in p if n == name) for p in kept) / layers
+                 for name in names}
     return dict(
         backend=backend, tp=tp, batch=batch, layers=layers, compile_s=round(compile_s, 1),
         kernels_per_layer=count / layers,
@@ -133,6 +137,7 @@ def measure(backend: str, tp: int, batch: int, params, calls: int) -> dict:
         wall_us=statistics.median(walls) * 1e6 / layers,
         kernels=[name for name, _, _ in kept[0][: count // layers]],
         program_kernels=[name for name, _, _ in kept[0]],
+        kernel_us={name: round(us, 2) for name, us in kernel_us.items()},
     )
 
 
@@ -243,6 +248,11 @@ def main() -> None:
                  if {"xla", "auto"} <= set(mine) and mine["auto"]["span_us"] else float("nan"))
         floor = next(iter(mine.values()))["floor_us"]
         print(f"| {tp} | {batch} | {floor:.1f} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+    print("\nwhere a layer's time goes (us a layer, each kernel's summed time; the span adds gaps):")
+    for r in rows:
+        spent = sorted(r["kernel_us"].items(), key=lambda kv: -kv[1])
+        print(f"  tp{r['tp']} B={r['batch']} {r['backend']}: " + ", ".join(
+            f"{name} {us:.1f}" for name, us in spent))
 
 
 if __name__ == "__main__":
