@@ -37,20 +37,39 @@ weight bytes over it."""
 
 
 @dataclasses.dataclass(frozen=True)
-class FrontShape:
-    """One rank's front GEMM for K3 at ``tp``."""
+class RankShape:
+    """One rank's share of K3 at ``tp``: ``k3(tp)``; the sizes follow from ``cfg``."""
 
     tp: int
-    valid: int
-    split: int
-    shard: int
-    hidden: int
 
     @classmethod
-    def k3(cls, tp: int) -> FrontShape:
-        cfg = mf.KIMI_K3.with_tp(tp)
-        valid, shard = cfg.experts_per_rank, cfg.latent_per_rank
-        return cls(tp, valid, mfp.padded_split(valid), shard, cfg.hidden)
+    def k3(cls, tp: int):
+        return cls(tp)
+
+    @property
+    def cfg(self) -> mf.FrontConfig:
+        return mf.KIMI_K3.with_tp(self.tp)
+
+    @property
+    def hidden(self) -> int:
+        return self.cfg.hidden
+
+
+class FrontShape(RankShape):
+    """One rank's front GEMM: ``valid`` router rows, zero rows up to ``split``, ``shard`` latent
+    rows."""
+
+    @property
+    def valid(self) -> int:
+        return self.cfg.experts_per_rank
+
+    @property
+    def split(self) -> int:
+        return mfp.padded_split(self.valid)
+
+    @property
+    def shard(self) -> int:
+        return self.cfg.latent_per_rank
 
     @property
     def rows(self) -> int:
@@ -177,22 +196,12 @@ def tbs(nbytes: int, us: float) -> float:
 # The shared expert: gate_up [2 S_r, H], down [H, S_r]
 
 
-@dataclasses.dataclass(frozen=True)
-class SharedShape:
-    """One rank's shared expert for K3 at ``tp``: gate_up ``[2 S_r, H]``, down ``[H, S_r]``."""
-
-    tp: int
-    shared: int
-    hidden: int
-
-    @classmethod
-    def k3(cls, tp: int) -> SharedShape:
-        cfg = mf.KIMI_K3.with_tp(tp)
-        return cls(tp, cfg.shared_per_rank, cfg.hidden)
+class SharedShape(RankShape):
+    """One rank's shared expert: gate_up ``[2 S_r, H]``, down ``[H, S_r]``."""
 
     @property
-    def cfg(self) -> mf.FrontConfig:
-        return mf.KIMI_K3.with_tp(self.tp)
+    def shared(self) -> int:
+        return self.cfg.shared_per_rank
 
     @property
     def gate_up_bytes(self) -> int:
