@@ -21,8 +21,9 @@ Cost per call (bf16 = 2 bytes; ``shard = n - split``):
   element useful): memory-bound at every B <= 64.
 Floor at the H200's 4.65 TB/s: front 13.8 us tp1, 1.73 us tp8; merged front (front + gate/up)
 51.7 us tp1, 6.5 us tp8; down 18.9 us tp1, 2.4 us tp8. Measured on an H100 (2026-12-07,
-docs/findings.md), before ``pad_x``: the front 26.7 us at tp1 B=64 but 41-42 at B <= 8; merged
-front, routing and down 131-132 us a tp1 layer (floor 103 at its 3.19 TB/s).
+docs/findings.md): the front 28.0-28.7 us at tp1 (27.1 at its best tiling; 41-42 at B <= 8
+before ``pad_x``), 10.2-11.4 at tp8; merged front 87-94 us at tp1 B=8; merged front, routing and
+down 131-134 us a tp1 layer (floor 103 at its 3.19 TB/s).
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ on any schedule. ``permutation`` runs the same steps over given ids (after ``rou
 Cost (``route_bytes``, ``permute_bytes``): 3.7 KB a K3 row; the order ``16 lanes W + 24BK + 4E + 8``
 bytes, L2-resident (``W = ceil(B / 32)``; 20 KB at B = 1, 233 KB at B = 256). Latency-bound: the
 floor is a launch, a load and a store, about 1 us. On the H200 (``pallas/tuning/nvidia-h200/
-route.json``): 3.33 us at B=1, 3.55 at 64, 4.51 at 256, 3.6-3.9x XLA's route. The order added
-2.3-4.1 us at B <= 64 and 11.9 at 256 on an H100 (2026-12-07, 2f9bfd6), 3.0-3.3x XLA's top_k +
-argsort, most of it the last program's dependent L2 round trips; ``finish_permutation`` has issued
-each step's loads together since (not yet timed).
+route.json``): 3.33 us at B=1, 3.55 at 64, 4.51 at 256, 3.6-3.9x XLA's route. The order adds
+2.1-3.8 us at B <= 64 and 9.3 at 256 on an H100 (2026-12-07, cd9c802), 3.1-3.9x XLA's top_k +
+argsort: 0.9 us the workspace's zero fill, the rest the last program's count and scatter after
+every ticket (docs/findings.md).
 """
 from __future__ import annotations
 
