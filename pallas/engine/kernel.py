@@ -2,10 +2,11 @@
 
 Every CTA owns ``rows`` consecutive rows of one region over all of K (no split): a ring of
 ``num_stages`` TMA stages of ``block_k`` columns feeds wgmma with ``x``'s rows, zero-padded to
-64 (``pad_x``), as M and the CTA's rows as N (tma.py's ``batch_m``). Each region has its own epilogue on the
-accumulator registers, TMA-stored through shared memory: router rows -> float32 logits (K cut into
-chains of at most ``fold_k``); latent rows -> bfloat16 latent (and its MXFP8 plan); gate/up pairs
-(two accumulators) -> ``situ(bf16(gate), bf16(up))``; down rows -> bfloat16, or a float32 partial.
+64 (``pad_x``), as M and the CTA's rows as N (tma.py's ``batch_m``). Each region has its own
+epilogue on the accumulator registers, TMA-stored through shared memory: router rows -> float32
+logits (K cut into chains of at most ``fold_k``); latent rows -> bfloat16 latent (and its MXFP8
+plan); gate/up pairs (two accumulators) -> ``situ(bf16(gate), bf16(up))``; down rows -> bfloat16,
+or a float32 partial.
 The CTA -> region map is static; regions run biggest CTAs first; every kernel waits first thing
 (``griddepcontrol_wait``) to be launched with PDL.
 
@@ -200,7 +201,8 @@ def _block_ks(depth: int) -> tuple[int, ...]:
     return wide or tuple(k for k in (64, 32) if depth % k == 0)[:1]
 
 
-def cut(regions: tuple[tuple[int, int, int, int], ...], depth: int, cores: int) -> tuple[int, tuple[int, ...], int]:
+def cut(regions: tuple[tuple[int, int, int, int], ...], depth: int,
+        cores: int) -> tuple[int, tuple[int, ...], int]:
     """``(block_k, CTA rows per region, stages)`` for regions ``(rows, parts, multiple, chains)``:
     the cut whose CTAs, longest first, end soonest on ``cores`` SMs (``makespan`` of
     ``_cta_time``, each SM at its share of the read rate: a model of a full machine); among
@@ -208,7 +210,6 @@ def cut(regions: tuple[tuple[int, int, int, int], ...], depth: int, cores: int) 
     (``parts`` or ``chains`` of them) stay within ``MAX_ACC_REGS``; its ring keeps 3 stages or
     more. Raises
     NotImplementedError where a region cannot be cut."""
-    x_rows = MAX_BATCH  # x's TMA box, padded or zero-filled
     options = []
     for rows, parts, multiple, chains in regions:
         most = min(MAX_ROWS, 2 * MAX_ACC_REGS // max(parts, chains))
@@ -225,7 +226,7 @@ def cut(regions: tuple[tuple[int, int, int, int], ...], depth: int, cores: int) 
             stages = _stages(block_k, widest, depth)
             if stages < min(3, depth // block_k):
                 continue
-            times = [(rows // r, _cta_time(r, parts, depth, x_rows, block_k, stages))
+            times = [(rows // r, _cta_time(r, parts, depth, MAX_BATCH, block_k, stages))
                      for (rows, parts, _, _), r in zip(regions, combo)]
             ctas = sum(count for count, _ in times)
             span = round(makespan(sorted(times, key=lambda t: -t[1]), cores), 3)
@@ -242,10 +243,11 @@ def heuristic_config(batch: int, depth: int, router: int = 0, latent: int = 0, g
                      down: int = 0, plan_block: int = 0, cores: int = 132) -> EngineConfig:
     """A tiling for a device without a table (``cut``): rows of each present region (0 rows: the
     region is absent and keeps the default), ``block_k`` and the ring's depth; ``x`` ``[batch,
-    depth]``. The cut does not depend on ``batch``. ``pad_x`` where every CTA's weight rows (gate/up:
-    both parts) are fewer than ``x``'s 64-row box, whose zero fill then sets a stage's pace: on an
-    H100 at B=8 (2026-12-07) padding took the front 41.5 -> 28.4 us at tp1 and 13.6 -> 11.3 at
-    tp8, the merged front 25.7 -> 17.3 at tp8, but 91.1 -> 93.9 at tp1 (128-row CTAs)."""
+    depth]``. The cut does not depend on ``batch``. ``pad_x`` where every CTA's weight rows
+    (gate/up: both parts) are fewer than ``x``'s 64-row box, whose zero fill then sets a stage's
+    pace: on an H100 at B=8 (2026-12-07) padding took the front 41.5 -> 28.4 us at tp1 and
+    13.6 -> 11.3 at tp8, the merged front 25.7 -> 17.3 at tp8, but 91.1 -> 93.9 at tp1 (128-row
+    CTAs)."""
     chains = chains_for(depth, FOLD_K, max(_block_ks(depth), default=32))
     present = [(name, rows, parts, multiple, c) for name, rows, parts, multiple, c in (
         ("router_rows", router, 1, ROW_STEP, chains),
