@@ -567,6 +567,9 @@ def test_situ_distance_allows_either_rounding_only_near_a_midpoint():
     # positive values: near -1 situ's bfloat16 output repeats from one input ulp to the next).
     past = jnp.asarray((np.asarray(high, np.float64) + one_ulp).astype(ml_dtypes.bfloat16))
     assert (situ_distance(situ(past, half), gate, up, SMALL)[:, :3] >= 1).all()
+    # Two input ulps past are more than the GPU test's one output ulp off.
+    past = jnp.asarray((np.asarray(high, np.float64) + 2 * one_ulp).astype(ml_dtypes.bfloat16))
+    assert (situ_distance(situ(past, half), gate, up, SMALL)[:, :3] >= 2).all()
 
 
 @pytest.mark.gpu
