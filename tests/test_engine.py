@@ -501,13 +501,15 @@ def test_moe_front_past_the_engine_takes_the_separate_stages():
 def test_moe_front_merged_is_three_kernels_on_an_h200(batch, plan):
     """``moe_front(x, params, plan=...)`` with K3's shared weights under ``"pallas"`` lowers for an
     H200 as three kernels: the merged front and the down (Mosaic GPU, launched with PDL) and the
-    routing kernel (Triton); no XLA dot."""
+    routing kernel (Triton); no XLA dot. Below B=64 XLA also pads ``hidden`` to 64 rows for the
+    down (``pad_x``); the merged front takes ``x`` as it is."""
     params = mf.pack_params(k3_weights(), K3)
     x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
     text = lower_for_h200(lambda x, p: mf.moe_front(x, p, plan=plan, backend="pallas"), x, params)
     assert text.count("@mosaic_gpu_v2") == 2 and text.count("mosaic_gpu.uses_pdl") == 2
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "stablehlo.dot_general" not in text
+    assert text.count("stablehlo.pad") == (1 if batch < 64 else 0)
 
 
 # --- on the GPU --------------------------------------------------------------------------------------
