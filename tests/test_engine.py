@@ -607,9 +607,9 @@ def test_gpu_front_matches_float64(tp):
         # section 6's bound; the separate shared-expert kernels meet the same). hidden itself is
         # not bit-level: one wgmma chain over K = 7168 moves gate's and up's bfloat16 roundings, and
         # situ magnifies a moved rounding where it is steep or near zero (an H100, 2026-12-07: 1.3%
-        # of tp1 B=1's values were more than one ulp from situ of any rounding of a float32 sum
-        # within GATE_UP_RTOL of float64 at the interval's ends, one of them 1.2e-2 of its row's
-        # RMS off). How far they part is printed (pytest -rP); exact data below is exact.
+        # of tp1 B=1's values were not situ of the roundings of a float32 sum GATE_UP_RTOL from
+        # float64, at tp1 B=37 one was 1.2e-2 of its row's RMS off; docs/findings.md). How far
+        # they part is printed (pytest -rP); exact data below stays within one ulp.
         hidden = merged(x, params.packed, params.gate_up)[3]
         gate, up = np.split(product(x, params.gate_up), 2, axis=1)
         distance = situ_distance(hidden, gate, up, cfg)
