@@ -6,7 +6,8 @@
 # kernels, then each stage's benchmark beside XLA, and draws front.png from their results. Each step's
 # log goes to $OUT/<step>.log; the tables print last. A failing step is reported and the rest still run;
 # the exit status is the number of steps that failed. Knobs, for a run that must fit a time limit:
-#   BENCHES="front route"       the benchmarks to run, in order (default: all single-GPU ones)
+#   BENCHES="front route"       the benchmarks to run, in order (default: all single-GPU ones;
+#                               BENCHES="" none)
 #   ARGS_front="--tps 1,8"      extra arguments of bench_front.py (likewise ARGS_route, ...)
 #   TESTS="test_permute.py"     the GPU test files, run first (default: all); DECODE=0 skips the main job
 #   STEP_LIMIT=120              seconds each step may run before it is stopped (default: no limit);
@@ -42,7 +43,7 @@ step() {  # step NAME COMMAND...: run under the step limit, log to $OUT/NAME.log
 step gpu_tests bash -c "cd tests && python3 -m pytest -v -m gpu -rs -p no:cacheprovider \
   -o faulthandler_timeout=60 --ignore=test_notebook.py ${TESTS:-.}"
 [ "${DECODE:-1}" = 1 ] && step decode python3 examples/decode.py --batch 1 64 --steps 3 --backend pallas
-BENCHES=${BENCHES:-front route front_gemm shared_expert plan mailbox}
+BENCHES=${BENCHES-front route front_gemm shared_expert plan mailbox}
 for bench in $BENCHES; do
   extra=ARGS_$bench
   step "bench_$bench" python3 "benchmarks/bench_$bench.py" --out "$OUT" ${!extra:-}

@@ -315,8 +315,9 @@ def stream_kernels(events: list[dict]) -> list[tuple[float, float, str]]:
 
 def programs_of(events: list[dict], gap_us: float = PROGRAM_GAP_US) -> list[list[tuple]]:
     """A trace's GPU kernels cut into programs wherever the GPU idled over ``gap_us`` (from the
-    latest end so far to the next start): each program's kernels as ``(name, start, duration)`` in microseconds from its first start.
-    Needs no kernel names, so it holds for programs whose layers XLA fused differently."""
+    latest end so far to the next start): each program's kernels as ``(name, start, duration)``
+    in microseconds from its first start. Needs no kernel names, so it holds for programs whose
+    layers XLA fused differently."""
     programs, last_end = [], None
     for start, end, name in stream_kernels(events):
         if last_end is None or start - last_end > gap_us:

@@ -63,8 +63,8 @@ COLUMNS_HELD = 8
 PERMUTE_BLOCK = 8
 """Rows per program of the standalone ``permutation`` kernel: 128 slots to mark, one atomic a
 thread of 4 warps. At 64 rows (one CTA marking all 1024 slots of B=64, eight atomics a thread)
-it took 9.6 us at B=64 on an H100 (2026-12-07), where the routing kernel, a row a program, adds
-the same order in 4.1; 8 rows is not yet timed."""
+it took 9.6 us at B=64 on an H100 (2026-12-07, 2f9bfd6); at 8 rows 3.07 / 3.33 / 4.93 / 10.18 us
+at B = 1 / 8 / 64 / 256 (cd9c802)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +221,8 @@ def finish_permutation(ids_ref, ws_ref, prefix_ref, order_ref, sizes_ref, invers
     round trips after the slowest ticket, each step's loads issued together: the columns and the
     first ``WAVE_ROWS`` rows of ids, the prefix and the barrier, the gathers, the stores (4 steps
     for B <= 256, 2 more for each further 256 rows). On an H100 the order took 2.3-4.1 us above
-    routing at B <= 64 and 11.9 at 256 with 3 steps a chunk of 64 rows (2026-12-07, 2f9bfd6)."""
+    routing at B <= 64 and 11.9 at 256 with 3 steps a chunk of 64 rows (2026-12-07, 2f9bfd6), and
+    2.1-3.8 and 9.3 so (cd9c802), 0.9 us of each the workspace's zero fill."""
     words = permute_words(batch)
     lane = lax.broadcasted_iota(jnp.int32, (lanes,), 0)
     chunk = min(PERMUTE_CHUNK, next_power_of_2(batch))
