@@ -37,7 +37,7 @@ def front_times(path: str) -> dict[str, tuple[float, float]]:
     """``table key -> (kernel us, XLA reference stage us)`` of one ``bench_front_gemm.py`` run."""
     out = {}
     for row in json.load(open(path))["gemm"]:
-        s = FrontShape.k3(row["tp"])
+        s = FrontShape(row["tp"])
         out[fg.table_key(s.valid, s.shard, s.hidden, row["batch"])] = (row["us"], row["xla_stage_us"])
     return out
 
@@ -56,7 +56,7 @@ def shared_times(arg: str) -> dict[str, tuple[float, float]]:
     for row in json.load(open(path))["rows"]:
         if tps is not None and row["tp"] not in tps:
             continue
-        s = SharedShape.k3(row["tp"])
+        s = SharedShape(row["tp"])
         key = se.table_key(s.shared, s.hidden, row["batch"])
         us.setdefault(key, {})[row["backend"]] = row["time_us"]
     return {key: (t["pallas"], t["xla"]) for key, t in us.items() if {"pallas", "xla"} <= set(t)}

@@ -66,7 +66,7 @@ def main() -> None:
     device = jax.devices()[0]
     print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)
     tps, batches = list(map(int, args.tps.split(","))), list(map(int, args.batches.split(",")))
-    shapes = {tp: FrontShape.k3(tp) for tp in tps}
+    shapes = {tp: FrontShape(tp) for tp in tps}
     weights = {tp: packed_weights(shape) for tp, shape in shapes.items()}
     xs = {batch: rows(batch, 7168, seed=1) for batch in batches}
     variants = {
@@ -111,7 +111,7 @@ def main() -> None:
 
     # The whole front at tp1: GEMM + routing (the routing kernel where one is registered).
     cfg = mf.KIMI_K3
-    shape = FrontShape.k3(1)
+    shape = FrontShape(1)
     weights = weights.get(1) or packed_weights(shape)
     bias = jax.random.uniform(jax.random.key(3), (cfg.experts,), jnp.float32, -0.05, 0.05)
     example = jnp.zeros((1, cfg.experts), jnp.float32)

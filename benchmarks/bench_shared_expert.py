@@ -66,7 +66,7 @@ def main() -> None:
     device = jax.devices()[0]
     print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)
     tps, batches = list(map(int, args.tps.split(","))), list(map(int, args.batches.split(",")))
-    shapes = {tp: SharedShape.k3(tp) for tp in tps}
+    shapes = {tp: SharedShape(tp) for tp in tps}
     table = {}
     if args.table and not os.path.exists(args.table):
         print(f"no table at {args.table}: the package's table or the heuristic", flush=True)

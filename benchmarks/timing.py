@@ -38,13 +38,9 @@ weight bytes over it."""
 
 @dataclasses.dataclass(frozen=True)
 class RankShape:
-    """One rank's share of K3 at ``tp``: ``k3(tp)``; the sizes follow from ``cfg``."""
+    """One rank's share of K3 at ``tp`` (``FrontShape(tp)``); the sizes follow from ``cfg``."""
 
     tp: int
-
-    @classmethod
-    def k3(cls, tp: int):
-        return cls(tp)
 
     @property
     def cfg(self) -> mf.FrontConfig:

@@ -50,11 +50,11 @@ class Case:
 
     @property
     def front(self) -> FrontShape:
-        return FrontShape.k3(self.tp)
+        return FrontShape(self.tp)
 
     @property
     def shared(self) -> SharedShape:
-        return SharedShape.k3(self.tp)
+        return SharedShape(self.tp)
 
     @property
     def regions(self) -> dict[str, tuple[int, int, int]]:
@@ -82,10 +82,10 @@ class Case:
     def heuristic(self) -> engine.EngineConfig:
         f, s = self.front, self.shared
         if self.launch == "down":
-            return engine.heuristic_config(self.batch, s.shared, down=f.hidden, cores=core_count())
+            return engine.heuristic_config(s.shared, down=f.hidden, cores=core_count())
         merged = self.launch == "merged"
         return engine.heuristic_config(
-            self.batch, f.hidden, router=f.valid, latent=f.shard,
+            f.hidden, router=f.valid, latent=f.shard,
             gate_up=s.shared if merged else 0, plan_block=s.cfg.plan_block if merged else 0,
             cores=core_count())
 

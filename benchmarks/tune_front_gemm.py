@@ -138,7 +138,7 @@ def main() -> None:
     kind = device.device_kind
     print("device", kind, "cores", getattr(device, "core_count", None), flush=True)
 
-    shapes = {tp: FrontShape.k3(tp) for tp in map(int, args.tps.split(","))}
+    shapes = {tp: FrontShape(tp) for tp in map(int, args.tps.split(","))}
     batches = list(map(int, args.batches.split(",")))
     previous = json.load(open(args.refine))["results"] if args.refine else None
     current = json.load(open(args.table))["entries"] if args.table and os.path.exists(args.table) else {}

@@ -207,7 +207,7 @@ def main() -> None:
     device = jax.devices()[0]
     kind = device.device_kind
     print("device", kind, "cores", getattr(device, "core_count", None), flush=True)
-    shapes = {tp: SharedShape.k3(tp) for tp in map(int, args.tps.split(","))}
+    shapes = {tp: SharedShape(tp) for tp in map(int, args.tps.split(","))}
     batches = list(map(int, args.batches.split(",")))
 
     weights, data, refs = {}, {}, {}

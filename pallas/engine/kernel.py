@@ -239,11 +239,11 @@ def cut(regions: tuple[tuple[int, int, int, int], ...], depth: int,
 
 
 @functools.cache
-def heuristic_config(batch: int, depth: int, router: int = 0, latent: int = 0, gate_up: int = 0,
+def heuristic_config(depth: int, router: int = 0, latent: int = 0, gate_up: int = 0,
                      down: int = 0, plan_block: int = 0, cores: int = 132) -> EngineConfig:
     """A tiling for a device without a table (``cut``): rows of each present region (0 rows: the
-    region is absent and keeps the default), ``block_k`` and the ring's depth; ``x`` ``[batch,
-    depth]``. The cut does not depend on ``batch``. ``pad_x`` where every CTA's weight rows
+    region is absent and keeps the default), ``block_k`` and the ring's depth; ``x`` ``[B, depth]``
+    whatever B (wgmma's M is 64 rows at every B <= 64). ``pad_x`` where every CTA's weight rows
     (gate/up: both parts) are fewer than ``x``'s 64-row box, whose zero fill then sets a stage's
     pace: on an H100 at B=8 (2026-12-07) padding took the front 41.5 -> 28.4 us at tp1 and
     13.6 -> 11.3 at tp8, the merged front 25.7 -> 17.3 at tp8, but 91.1 -> 93.9 at tp1 (128-row
@@ -520,7 +520,7 @@ def _front_config(x, packed, split, valid, gate_up_rows: int, plan_block: int,
     shard = packed.shape[0] - split
     depth = x.shape[1]
     if config is None:
-        config = heuristic_config(x.shape[0], depth, router=valid, latent=shard,
+        config = heuristic_config(depth, router=valid, latent=shard,
                                   gate_up=gate_up_rows, plan_block=tiling_block or plan_block,
                                   cores=core_count())
     _check_depth(depth, config, "hidden")
@@ -605,7 +605,7 @@ def _down_config(hidden, down, config):
     depth = hidden.shape[1]
     _check_depth(depth, config, "S_r")
     if config is None:
-        config = heuristic_config(hidden.shape[0], depth, down=down.shape[0], cores=core_count())
+        config = heuristic_config(depth, down=down.shape[0], cores=core_count())
     _check_cut("down", down.shape[0], config.down_rows)
     _check_smem(config, config.down_rows)
     return config
