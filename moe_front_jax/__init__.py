@@ -16,6 +16,7 @@ Start::
     out = jax.jit(mf.moe_front)(x, params)             # FrontOutput: ids, weights, latent, ...
 
 Entry points: ``moe_front`` (the whole front of a decode step) and ``route`` (routing alone);
+``explain`` (what a call would run on this device, and why);
 ``nn.MoEFront`` (a Flax NNX module); ``shard_params`` (tensor parallelism over a mesh; or call
 ``moe_front`` with ``axis_name=`` inside your own ``jax.shard_map``); ``Mailbox`` (the Lamport
 exchange between ranks); ``load_params`` / ``load_weights`` (safetensors checkpoints);
@@ -32,7 +33,9 @@ _PUBLIC = {
     "FrontConfig": "moe_front_jax.config",
     "FrontOutput": "moe_front_jax.api",
     "FrontParams": "moe_front_jax.params",
+    "FrontPlan": "moe_front_jax.planner",
     "Mailbox": "moe_front_jax.mailbox",
+    "explain": "moe_front_jax.api",
     "init_weights": "moe_front_jax.params",
     "load_params": "moe_front_jax.checkpoint",
     "load_weights": "moe_front_jax.checkpoint",

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_front_jax import registry, parallel
+from moe_front_jax import parallel, planner, registry
 from moe_front_jax import mailbox as mailboxes
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import FrontParams, check_param_arrays
@@ -113,9 +114,9 @@ def as_dispatch(fields) -> Dispatch | None:
     return None if fields is None else Dispatch(*fields)
 
 
-def _front_output(fields) -> FrontOutput:
-    *rest, dispatched = fields
-    return FrontOutput(*rest, as_dispatch(dispatched))
+def _front_output(fields: dict) -> FrontOutput:
+    return FrontOutput(*(fields[name] for name in planner.FIELDS[:-1]),
+                       as_dispatch(fields["dispatch"]))
 
 
 def check_params(params) -> None:
@@ -200,103 +201,79 @@ def moe_front(
     permute = check_static_bool("permute", permute, "moe_front")
     registry.check_backend(backend)
     parallel.check_shared_reduce(shared_reduce)
-    options = dict(plan=plan, permute=permute, backend=backend, shared_reduce=shared_reduce)
     if axis_name is None and isinstance(params, FrontParams) and params.mesh is not None:
         if mailbox is not None:
             raise NotImplementedError(_MAILBOX_TP)
         parallel.check_sharded_params(params)
         check_rows(x, params.cfg)
-        return _front_output(parallel.sharded_front(x, params, **options))
-    check_params(params)
-    cfg = params.cfg
-    check_rows(x, cfg)
-    if axis_name is not None:
-        if mailbox is not None:
-            mailboxes.check_mailbox(mailbox, cfg, x.shape[0])
-        fields, mailbox = parallel.rank_front(x, params, axis_name, mailbox=mailbox, **options)
-        return _front_output(fields) if mailbox is None else (_front_output(fields), mailbox)
-    if mailbox is not None:
-        mailboxes.check_mailbox(mailbox, cfg, x.shape[0])
-    if cfg.tp != 1:
-        raise ValueError(
-            f"params are one rank's shard of tp={cfg.tp}; call moe_front inside jax.shard_map with "
-            "axis_name=..., or pass the output of shard_params"
-        )
-    status = jnp.zeros((), jnp.int32)
-    planned = None
-    gemm_args = (x, params.packed, params.split, cfg.experts_per_rank)
-    # The merged front: one launch over [router; latent; gate; up], then the down. With a mailbox
-    # the plan comes from the collect, as on every mailbox path.
-    merged_plan = plan and mailbox is None
-    merged = merged_front(x, params, backend, merged_plan)
-    if merged:
-        logits, latent, planned, hidden = registry.run("front_gate_up", backend, *gemm_args,
-                                                       params.gate_up, cfg, plan=merged_plan)
-    # Else the front GEMM with the plan in its epilogue, where its kernel runs, or the plan stage.
-    plan_gemm = (plan and not merged and
-                 registry.choose("front_gemm_plan", backend, *gemm_args, cfg.plan_block).kernel)
-    if mailbox is not None:
-        # Where the front GEMM's kernel runs (unmerged), it publishes from its epilogue with the
-        # direct path's schedule (so its bits): no publish kernel, no logits or latent written
-        # first. Merged, the merged front's logits and latent are published, as the direct path's.
-        box = (mailbox.buffer, mailbox.control, mailbox.tickets, cfg)
-        block = cfg.plan_block if plan_gemm else None
-        if not merged and registry.choose("front_gemm_publish", backend, *gemm_args, *box,
-                                          plan_block=block).kernel:
-            (ids, weights, logits, latent, planned, status, dispatched,
-             mailbox) = mailboxes.gemm_exchange_route(
-                mailbox, x, params.packed, params.bias, split=params.split,
-                valid=cfg.experts_per_rank, backend=backend, plan=plan, plan_block=block,
-                permute=permute,
-            )
-        else:
-            if not merged:
-                logits, latent = registry.run("front_gemm", backend, *gemm_args)
-            ids, weights, logits, latent, planned, status, dispatched, mailbox = (
-                mailboxes.exchange_route(mailbox, logits, latent, params.bias, backend=backend,
-                                         plan=plan, permute=permute))
+        parallel.check_groups(x, params, shared_reduce)
     else:
-        if plan_gemm:
-            logits, latent, planned = registry.run("front_gemm_plan", backend, *gemm_args,
-                                                   cfg.plan_block)
-        elif not merged:
-            logits, latent = registry.run("front_gemm", backend, *gemm_args)
-            if plan:
-                planned = registry.run("plan", backend, latent, cfg.plan_block)
-        ids, weights, dispatched = route_stage(logits, params.bias, cfg, backend, permute)
-    shared = None
-    if merged:
-        shared = registry.run("shared_down", backend, hidden, params.down, jnp.bfloat16)
-    elif params.has_shared:
-        shared = registry.run("shared_expert", backend, x, params.gate_up, params.down, cfg,
-                              jnp.bfloat16)
-    out = FrontOutput(ids, weights, latent, logits, shared, planned, status,
-                      as_dispatch(dispatched))
-    return out if mailbox is None else (out, mailbox)
+        check_params(params)
+        check_rows(x, params.cfg)
+        if axis_name is not None:
+            parallel.check_rank(params, axis_name, shared_reduce)
+        elif params.cfg.tp != 1:
+            raise ValueError(
+                f"params are one rank's shard of tp={params.cfg.tp}; call moe_front inside "
+                "jax.shard_map with axis_name=..., or pass the output of shard_params"
+            )
+        if mailbox is not None:
+            mailboxes.check_mailbox(mailbox, params.cfg, x.shape[0])
+    options = dict(plan=plan, permute=permute, backend=backend, axis_name=axis_name,
+                   shared_reduce=shared_reduce)
+    if mailbox is None:
+        return _front_output(_planned_front(x, params, None, **options))
+    fields = _planned_front_donating(x, params, mailbox, **options)
+    return _front_output(fields), mailboxes.with_arrays(mailbox, fields["buffer"],
+                                                        fields["control"], fields["tickets"])
 
 
-def merged_front(x, params: FrontParams, backend: str, plan: bool) -> bool:
-    """Whether one rank's front at tp = 1 runs merged with the shared expert's gate/up (the
-    ``front_gate_up`` and ``shared_down`` stages) rather than as the ``front_gemm`` and
-    ``shared_expert`` stages: where the params hold a shared expert and both merged kernels run and
-    cover ``x``'s rows. Under tensor parallelism the front stays unmerged: Mosaic GPU's interpret
-    mode cannot run under a ``shard_map`` of several devices, so that path could not be checked off
-    the GPU."""
-    if not params.has_shared:
-        return False
-    cfg = params.cfg
-    hidden = jax.ShapeDtypeStruct((x.shape[0], cfg.shared_per_rank), jnp.bfloat16)
-    return (registry.runs_kernel("front_gate_up", backend, x, params.packed, params.split,
-                                 cfg.experts_per_rank, params.gate_up, cfg, plan=plan)
-            and registry.runs_kernel("shared_down", backend, hidden, params.down, jnp.bfloat16))
+def _planned_front(x, params: FrontParams, mailbox, **options) -> dict:
+    """``front_plan`` for these arguments, run."""
+    front = planner.front_plan(x.shape[0], params, mailbox=mailbox, **options)
+    return planner.run_front(front, x, params, mailbox)
 
 
-def route_stage(logits, bias, cfg: FrontConfig, backend: str, permute: bool):
-    """The ``route`` stage: ``(ids, weights, (order, group_sizes, inverse) or None)``."""
-    if not permute:
-        return (*registry.run("route", backend, logits, bias, cfg), None)
-    ids, weights, *dispatched = registry.run("route", backend, logits, bias, cfg, permute=True)
-    return ids, weights, tuple(dispatched)
+# With a mailbox the call is jitted with the mailbox donated, so that a call outside jit updates it
+# in place (inside the caller's jit the caller donates it).
+_planned_front_donating = functools.partial(
+    jax.jit, static_argnames=("plan", "permute", "backend", "axis_name", "shared_reduce"),
+    donate_argnames="mailbox")(_planned_front)
+
+
+def explain(x, params: FrontParams, *, plan: bool = False, permute: bool = False,
+            backend: str = "auto", axis_name: str | None = None, shared_reduce: str = "psum",
+            mailbox=None) -> planner.FrontPlan:
+    """What ``moe_front(x, params, ...)`` would run on this device, and why: its ``FrontPlan``.
+
+    ``x`` is the rows (an array or ``jax.ShapeDtypeStruct``), or their shape ``(B, H)``; the other
+    arguments are ``moe_front``'s (``mailbox`` a ``Mailbox``, or True for one of ``params.cfg``
+    holding ``B`` rows). Print the result for a table of the steps: stage, implementation (a
+    kernel, in interpret mode or not, the reference, or a collective) and the rule that chose it.
+
+    Raises:
+      ValueError: as ``moe_front`` (argument checks that need no ``shard_map``).
+    """
+    if isinstance(x, tuple):
+        x = jax.ShapeDtypeStruct(x, jnp.bfloat16)
+    plan = check_static_bool("plan", plan, "explain")
+    permute = check_static_bool("permute", permute, "explain")
+    registry.check_backend(backend)
+    parallel.check_shared_reduce(shared_reduce)
+    sharded = axis_name is None and isinstance(params, FrontParams) and params.mesh is not None
+    if sharded:
+        parallel.check_sharded_params(params)
+        check_rows(x, params.cfg)
+        parallel.check_groups(x, params, shared_reduce)
+    else:
+        check_params(params)
+        check_rows(x, params.cfg)
+    if mailbox is True:
+        mailbox = jax.eval_shape(lambda: mailboxes.Mailbox.create(params.cfg, x.shape[0]))
+    elif mailbox is not None:
+        mailboxes.check_mailbox(mailbox, params.cfg, x.shape[0])
+    return planner.front_plan(x.shape[0], params, plan=plan, permute=permute, backend=backend,
+                              axis_name=axis_name, shared_reduce=shared_reduce, mailbox=mailbox)
 
 
 def route(
@@ -337,5 +314,7 @@ def route(
         got = (f"a {type(bias).__name__}" if bias_shape is None
                else f"{tuple(bias_shape)} {bias.dtype}")
         raise ValueError(f"bias must be ({cfg.experts},) float32, got {got}")
-    ids, weights, dispatched = route_stage(logits, bias, cfg, backend, permute)
-    return (ids, weights) if dispatched is None else (ids, weights, Dispatch(*dispatched))
+    routing = planner.route_plan(logits.shape[0], cfg, backend=backend, permute=permute)
+    fields = planner.outputs(planner.run(routing, dict(logits=logits, bias=bias)))
+    ids, weights = fields["ids"], fields["weights"]
+    return (ids, weights) if not permute else (ids, weights, as_dispatch(fields["dispatch"]))

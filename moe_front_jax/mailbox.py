@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from moe_front_jax import registry
+from moe_front_jax import planner, registry
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.pallas.front_gemm import ticket_count
 from moe_front_jax.reference.mailbox import CONTROL_WORDS, TIMEOUT, armed_row, row_words
@@ -172,7 +172,8 @@ def _arrays(mailbox: Mailbox) -> tuple[jax.Array, jax.Array]:
     return mailbox.buffer, mailbox.control
 
 
-def _with(mailbox: Mailbox, buffer, control, tickets=None) -> Mailbox:
+def with_arrays(mailbox: Mailbox, buffer, control, tickets=None) -> Mailbox:
+    """``mailbox`` holding these arrays (its ``tickets`` where None)."""
     tickets = mailbox.tickets if tickets is None else tickets
     return dataclasses.replace(mailbox, buffer=buffer, control=control, tickets=tickets)
 
@@ -210,7 +211,7 @@ def publish(
         raise ValueError(f"rank must be in [0, tp={cfg.tp}), got {rank}")
     args = (*_arrays(mailbox), logits, latent_shard, rank, cfg)
     buffer, control, _ = registry.run("mailbox_publish", backend, *args)
-    return _with(mailbox, buffer, control)
+    return with_arrays(mailbox, buffer, control)
 
 
 def collect(
@@ -238,18 +239,10 @@ def collect(
     return _collect(mailbox, jnp.zeros((), jnp.int32), batch, backend)
 
 
-def runs_kernels(mailbox: Mailbox, batch: int, backend: str) -> bool:
-    """Whether ``backend`` collects ``batch`` rows of ``mailbox`` with the GPU kernels (then a
-    publish across GPUs can be the peer store, ``transport="peer"``)."""
-    status = jnp.zeros((), jnp.int32)
-    return registry.choose("mailbox_collect", backend, *_arrays(mailbox), status, batch,
-                           mailbox.cfg).kernel
-
-
 def _collect(mailbox: Mailbox, status, batch: int, backend: str):
     args = (*_arrays(mailbox), status, batch, mailbox.cfg)
     logits, latent, status, buffer, control = registry.run("mailbox_collect", backend, *args)
-    return logits, latent, status, _with(mailbox, buffer, control)
+    return logits, latent, status, with_arrays(mailbox, buffer, control)
 
 
 def _check_exchange(mailbox, logits, latent_shard, axis_name, transport) -> int:
@@ -275,35 +268,6 @@ def _check_exchange(mailbox, logits, latent_shard, axis_name, transport) -> int:
             f"next step must land in another generation), got {mailbox.generations}"
         )
     return batch
-
-
-def _publish_all(mailbox: Mailbox, logits, latent_shard, axis_name, backend: str, transport: str):
-    """Every rank's shard into this rank's mailbox (``exchange``'s first half); returns
-    ``(mailbox, status)``, the zeroed status word the collect polls with."""
-    cfg = mailbox.cfg
-    if transport == "peer":
-        if not runs_kernels(mailbox, logits.shape[0], backend):
-            raise NotImplementedError(
-                f"transport='peer' stores through GPU peer pointers and needs the GPU kernels, got "
-                f"backend={backend!r} on {registry.target_platform()}; use transport='gather'"
-            )
-        from moe_front_jax.bridge import peer_mailbox
-
-        buffer, control, status = peer_mailbox.publish(*_arrays(mailbox), logits, latent_shard, cfg,
-                                                       axis_name)
-        return _with(mailbox, buffer, control), status
-    if cfg.tp == 1:
-        every = [(logits, latent_shard)]
-    else:
-        every_logits = lax.all_gather(logits, axis_name)
-        every_latent = lax.all_gather(latent_shard, axis_name)
-        every = [(every_logits[rank], every_latent[rank]) for rank in range(cfg.tp)]
-    status = jnp.zeros((), jnp.int32)
-    for rank, (rank_logits, rank_latent) in enumerate(every):
-        args = (*_arrays(mailbox), rank_logits, rank_latent, rank, cfg)
-        buffer, control, status = registry.run("mailbox_publish", backend, *args)
-        mailbox = _with(mailbox, buffer, control)
-    return mailbox, status
 
 
 @functools.partial(
@@ -343,8 +307,10 @@ def exchange(
         ``backend="pallas"`` (the jax-triton publish is one device's; use ``"peer"``).
     """
     batch = _check_exchange(mailbox, logits, latent_shard, axis_name, transport)
-    mailbox, status = _publish_all(mailbox, logits, latent_shard, axis_name, backend, transport)
-    return _collect(mailbox, status, batch, backend)
+    step = planner.exchange_plan(mailbox, batch, backend=backend, transport=transport,
+                                 axis_name=axis_name)
+    env = _run(step, mailbox, logits_shard=logits, latent_shard=latent_shard)
+    return env["logits"], env["latent"], env["status"], _returned(mailbox, env)
 
 
 @functools.partial(
@@ -391,8 +357,10 @@ def exchange_route(
       As ``exchange``; a wrong bias is a ValueError.
     """
     batch = _check_exchange(mailbox, logits, latent_shard, axis_name, transport)
-    mailbox, status = _publish_all(mailbox, logits, latent_shard, axis_name, backend, transport)
-    return _route_published(mailbox, status, bias, batch, backend, plan, permute)
+    step = planner.exchange_plan(mailbox, batch, backend=backend, transport=transport,
+                                 axis_name=axis_name, route=True, plan=plan, permute=permute)
+    env = _run(step, mailbox, logits_shard=logits, latent_shard=latent_shard, bias=bias)
+    return _routed(mailbox, env)
 
 
 @functools.partial(
@@ -432,33 +400,24 @@ def gemm_exchange_route(
     """
     cfg = mailbox_config(mailbox)
     check_mailbox(mailbox, cfg, x.shape[0])
-    args = (x, packed, split, valid, mailbox.buffer, mailbox.control, mailbox.tickets, cfg)
-    buffer, control, tickets, status = registry.run("front_gemm_publish", backend, *args,
-                                                    plan_block=plan_block)
-    mailbox = _with(mailbox, buffer, control, tickets)
-    return _route_published(mailbox, status, bias, x.shape[0], backend, plan, permute)
+    step = planner.exchange_plan(mailbox, x.shape[0], backend=backend, transport="gather",
+                                 axis_name=None, route=True, plan=plan, permute=permute,
+                                 gemm=(split, valid), plan_block=plan_block)
+    return _routed(mailbox, _run(step, mailbox, x=x, packed=packed, bias=bias))
 
 
-def _route_published(mailbox: Mailbox, status, bias, batch: int, backend: str, plan: bool,
-                     permute: bool) -> tuple:
-    """``exchange_route`` after the publish: ``route_collect`` (then the stage ``permute`` over its
-    ids) where its kernel runs, else collect, route (with the order) and plan."""
-    cfg = mailbox.cfg
-    args = (*_arrays(mailbox), status, bias, batch, cfg)
-    try:  # a plan the fused kernel does not write (plan_block 1) takes the separate kernels
-        fused = plan and registry.choose("route_collect", backend, *args, with_plan=True).kernel
-    except NotImplementedError:
-        fused = False
-    if fused:
-        ids, *out, status, buffer, control = registry.run("route_collect", backend, *args,
-                                                          with_plan=True)
-        dispatched = tuple(registry.run("permute", backend, ids, cfg)) if permute else None
-        return (ids, *out, status, dispatched, _with(mailbox, buffer, control))
-    logits, latent, status, mailbox = _collect(mailbox, status, batch, backend)
-    if permute:
-        ids, weights, *dispatched = registry.run("route", backend, logits, bias, cfg, permute=True)
-        dispatched = tuple(dispatched)
-    else:
-        (ids, weights), dispatched = registry.run("route", backend, logits, bias, cfg), None
-    planned = registry.run("plan", backend, latent, cfg.plan_block) if plan else None
-    return ids, weights, logits, latent, planned, status, dispatched, mailbox
+def _run(step: planner.FrontPlan, mailbox: Mailbox, **arrays) -> dict:
+    """Run ``step`` over the mailbox's arrays and ``arrays``."""
+    env = dict(buffer=mailbox.buffer, control=mailbox.control, tickets=mailbox.tickets, **arrays)
+    return planner.run(step, env)
+
+
+def _returned(mailbox: Mailbox, env: dict) -> Mailbox:
+    return with_arrays(mailbox, env["buffer"], env["control"], env["tickets"])
+
+
+def _routed(mailbox: Mailbox, env: dict) -> tuple:
+    """``exchange_route``'s outputs from the environment after its plan."""
+    fields = planner.outputs(env)
+    return (fields["ids"], fields["weights"], fields["logits"], fields["latent"], fields["plan"],
+            fields["status"], fields["dispatch"], _returned(mailbox, env))

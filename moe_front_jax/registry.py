@@ -90,10 +90,11 @@ STAGES: dict[str, Stage] = {
 
 class Choice(NamedTuple):
     """What runs a stage: ``run`` takes the stage's arguments; ``kernel`` says whether it is the
-    kernel (in interpret mode or not) rather than the reference."""
+    kernel (in interpret mode or not) rather than the reference; ``why`` is the rule that chose it."""
 
     run: Callable
     kernel: bool
+    why: str = ""
 
 
 def check_backend(backend: str) -> str:
@@ -139,24 +140,33 @@ def choose(name: str, backend: str, *args, **kwargs) -> Choice:
     if name not in STAGES:
         raise ValueError(f"unknown stage {name!r}; stages are {tuple(STAGES)}")
     stage = STAGES[name]
-    reference = Choice(_load(stage.reference), False)
-    if backend == "xla" or (backend == "interpret" and not stage.interprets):
-        return reference
+
+    def reference(why: str) -> Choice:
+        return Choice(load(stage.reference), False, why)
+
+    if backend == "xla":
+        return reference("backend='xla'")
+    if backend == "interpret" and not stage.interprets:
+        return reference("the kernel has no interpret mode")
     if backend == "auto":
-        if not on_gpu() or stage.auto == NEVER:
-            return reference
-        if stage.auto != ALWAYS and not _load(stage.auto)(*args, **kwargs):
-            return reference
+        if not on_gpu():
+            return reference(f"auto on {target_platform()}")
+        if stage.auto == NEVER:
+            return reference("auto never prefers this kernel (registry.STAGES)")
+        if stage.auto != ALWAYS and not load(stage.auto)(*args, **kwargs):
+            return reference("auto: the device's auto table does not have the kernel faster here")
         try:
             _covers(stage, *args, **kwargs)
-        except NotImplementedError:
-            return reference
+        except NotImplementedError as error:
+            return reference(f"the kernel does not cover this: {error}")
+        why = "auto: always" if stage.auto == ALWAYS else "auto: measured faster (auto table)"
     else:
         _covers(stage, *args, **kwargs)
-    kernel = _load(stage.kernel)
+        why = f"backend={backend!r}"
+    kernel = load(stage.kernel)
     if stage.interprets:
         kernel = functools.partial(kernel, interpret=backend == "interpret")
-    return Choice(kernel, True)
+    return Choice(kernel, True, why)
 
 
 def run(name: str, backend: str, *args, **kwargs):
@@ -165,21 +175,13 @@ def run(name: str, backend: str, *args, **kwargs):
     return choose(name, backend, *args, **kwargs).run(*args, **kwargs)
 
 
-def runs_kernel(name: str, backend: str, *args, **kwargs) -> bool:
-    """Whether stage ``name``'s kernel would run under ``backend`` for these arguments: False where
-    the reference would, and where the kernel does not cover them (no ``NotImplementedError``)."""
-    try:
-        return choose(name, backend, *args, **kwargs).kernel
-    except NotImplementedError:
-        return False
-
-
 def _covers(stage: Stage, *args, **kwargs) -> None:
     if stage.covers is not None:
-        _load(stage.covers)(*args, **kwargs)
+        load(stage.covers)(*args, **kwargs)
 
 
 @functools.cache
-def _load(target: str) -> Callable:
+def load(target: str) -> Callable:
+    """The function a ``"module:function"`` path names, imported when first asked for."""
     module, function = target.split(":")
     return getattr(importlib.import_module(module), function)
