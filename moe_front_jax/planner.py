@@ -62,6 +62,11 @@ class Step:
     why: str
     kwargs: tuple[tuple[str, Any], ...] = ()
 
+    def scope(self, index: int) -> str:
+        """The name scope the runner traces step ``index`` (from 1) under: the lowered HLO's op
+        names carry it, so a test can tell which step each kernel call came from."""
+        return f"plan_step{index}_{self.stage}"
+
     @property
     def implementation(self) -> str:
         """The dotted name of what runs (``"... (interpret)"`` for a kernel in interpret mode)."""
@@ -455,9 +460,10 @@ def route_plan(batch: int, cfg: FrontConfig, *, backend: str, permute: bool) -> 
 def run(plan: FrontPlan, env: dict[str, Any]) -> dict[str, Any]:
     """Run ``plan``'s steps over ``env`` (name -> array); returns the environment after them."""
     env = dict(env)
-    for step in plan.steps:
+    for index, step in enumerate(plan.steps, 1):
         args = [env[a.name] if isinstance(a, Ref) else a for a in step.args]
-        result = step.run(*args, **dict(step.kwargs))
+        with jax.named_scope(step.scope(index)):
+            result = step.run(*args, **dict(step.kwargs))
         if len(step.outputs) == 1:
             result = (result,)
         env.update(zip(step.outputs, result, strict=True))
