@@ -1,14 +1,13 @@
-"""The dispatch registry: the one place that decides which implementation runs each stage.
+"""The stage table: each stage's reference, kernel and ``auto`` rule, and ``choose``, which says what
+runs one stage under a backend and why. ``moe_front_jax.planner`` asks it step by step.
 
-Every stage declares its reference (``moe_front_jax.reference``), its kernel and when ``"auto"``
-prefers the kernel; every implementation of a stage takes the same arguments. The backends:
-``"xla"`` runs the reference; ``"pallas"`` the kernel (a GPU is needed); ``"interpret"`` the kernel in
-Pallas' interpret mode on any machine (the mailbox's jax-triton kernels have no such mode: there it
-runs the reference); ``"auto"`` the kernel on a GPU where the stage's ``auto`` rule prefers it, else
-the reference. As in tokamax, a kernel raises ``NotImplementedError`` for a valid request it does not
-cover (``B > 256``, more experts than its lanes, a mailbox of tp > 1, ...): ``"auto"`` then falls
-through to the reference, ``"pallas"`` and ``"interpret"`` pass the error on. ``ValueError`` is for
-bad input only. Decisions are made when a call is traced, from static shapes, at no run-time cost.
+Every implementation of a stage takes the same arguments. The backends: ``"xla"`` runs the
+reference; ``"pallas"`` the kernel (a GPU is needed); ``"interpret"`` the kernel in Pallas' interpret
+mode (the mailbox's jax-triton kernels have none: the reference); ``"auto"`` the kernel on a GPU
+where the stage's ``auto`` rule prefers it, else the reference. As in tokamax, a kernel raises
+``NotImplementedError`` for a valid request it does not cover: ``"auto"`` falls through to the
+reference, ``"pallas"`` and ``"interpret"`` pass the error on (the planner then runs the reference
+and says why). ``ValueError`` is for bad input only.
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+
+from moe_front_jax.pallas import device
 
 BACKENDS = ("auto", "xla", "pallas", "interpret")
 ALWAYS, NEVER = "always", "never"
@@ -154,7 +155,8 @@ def choose(name: str, backend: str, *args, **kwargs) -> Choice:
         if stage.auto == NEVER:
             return reference("auto never prefers this kernel (registry.STAGES)")
         if stage.auto != ALWAYS and not load(stage.auto)(*args, **kwargs):
-            return reference("auto: the device's auto table does not have the kernel faster here")
+            table = f"pallas/tuning/{device.kind_folder(device.device_kind())}/auto.json"
+            return reference(f"auto: {table} does not have the kernel faster here")
         try:
             _covers(stage, *args, **kwargs)
         except NotImplementedError as error:
