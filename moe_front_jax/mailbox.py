@@ -1,11 +1,10 @@
 """The Lamport mailbox's state (``Mailbox``) and one step through it: publish, collect, route.
 
 A mailbox row per token carries every tensor-parallel rank's logits and latent shard (SPEC section 7;
-the layout and the plain-JAX protocol are ``moe_front_jax.reference.mailbox``). Each implementation is
-asked of ``registry``: the jax-triton publish and collect (``bridge.triton_mailbox``), the front GEMM
-publishing from its epilogue (tp = 1), the routing kernel polling the rows itself (with the plan), or
-the plain-JAX protocol; ``exchange`` calls the peer-store publish across GPUs
-(``bridge.peer_mailbox``) itself for ``transport="peer"``.
+the layout and the plain-JAX protocol are ``moe_front_jax.reference.mailbox``). What runs each step
+(the jax-triton publish and collect, the front GEMM publishing from its epilogue, the routing kernel
+polling the rows itself, the peer-store publish across GPUs, or the plain-JAX protocol) is the plan's
+(``moe_front_jax.planner.exchange_plan``); this module holds the state and checks the arguments.
 
 Why the immediate re-arm never erases a later step's value: on one device publish(t), collect(t) and
 publish(t+1) are kernels on one stream, and jax-triton's kernels never trigger programmatic dependent
@@ -303,8 +302,8 @@ def exchange(
       ValueError: a wrong shape, dtype or mailbox, a batch over its capacity, tp > 1 without
         ``axis_name``, an ``axis_name`` whose size is not tp, an unknown ``transport``, or
         ``"peer"`` over tp > 1 with fewer than 2 generations.
-      NotImplementedError: ``"peer"`` without the GPU kernels, or ``"gather"`` over tp > 1 with
-        ``backend="pallas"`` (the jax-triton publish is one device's; use ``"peer"``).
+      NotImplementedError: ``"peer"`` without the GPU kernels (``"gather"`` over tp > 1 publishes
+        with the reference: the jax-triton publish is one device's).
     """
     batch = _check_exchange(mailbox, logits, latent_shard, axis_name, transport)
     step = planner.exchange_plan(mailbox, batch, backend=backend, transport=transport,
@@ -333,12 +332,9 @@ def exchange_route(
     the MXFP8 plan of the collected latent, SPEC section 5; with ``permute``, the dispatch order of
     SPEC section 4.1).
 
-    With ``plan``, where ``registry`` runs the routing kernel that polls the mailbox
-    (``route_collect``: collect, route and plan in one launch), that kernel collects; otherwise the
-    collect, routing and plan stages run one after the other (without the plan the separate kernels
-    measured faster: docs/findings.md). The outputs are the same bits either way. With ``permute``
-    the routing kernel writes the order in its launch; after ``route_collect`` the stage
-    ``permute`` computes it from the ids (the standalone kernel where it runs).
+    The plan (``planner.exchange_plan``) runs ``route_collect`` (collect, route and plan in one
+    launch) where its kernel runs and the plan is asked for, else the collect, routing and plan
+    stages; the outputs are the same bits either way.
 
     Args:
       mailbox, logits, latent_shard, axis_name, backend, transport: as for ``exchange``.
