@@ -23,7 +23,7 @@ _MAILBOX_TP = (
 
 
 class Dispatch(NamedTuple):
-    """The dispatch order of SPEC section 4.1: what grouped GEMMs over the routed experts consume (a
+    """The dispatch order of SPEC section 4.1, what grouped GEMMs over the routed experts consume (a
     pytree). Slot ``s = token * K + rank`` is token ``s // K``'s rank ``s % K``.
 
     Attributes:
@@ -32,14 +32,8 @@ class Dispatch(NamedTuple):
       group_sizes: ``[E]`` int32 slots per expert (the histogram of ``ids``), summing to ``B * K``:
         ``jax.lax.ragged_dot``'s ``group_sizes``.
       inverse: ``[B * K]`` int32 position of each slot in ``order`` (``order[inverse] == arange``):
-        the combine step reads slot ``s``'s expert output at row ``inverse[s]``.
-
-    Example::
-
-      dispatch = out.dispatch                                     # moe_front(..., permute=True)
-      rows = latent[dispatch.order // K]                          # [B * K, L], grouped by expert
-      h = jax.lax.ragged_dot(rows, w, dispatch.group_sizes)       # w: [E, L, N]
-      per_slot = h[dispatch.inverse].reshape(B, K, N)             # back to (token, rank)
+        slot ``s``'s expert output is row ``inverse[s]``. README.md ("A whole MoE layer") shows
+        the grouped GEMMs and the combine.
     """
 
     order: jax.Array
@@ -55,16 +49,11 @@ class FrontOutput(NamedTuple):
       weights: ``[B, K]`` bfloat16 routing weights.
       latent: ``[B, L]`` bfloat16, every rank's latent shard in rank order.
       logits: ``[B, E]`` float32 router logits of every expert.
-      shared: ``[B, H]`` bfloat16 shared-expert output, or None when the params have no shared
-        expert. With ``shared_reduce="psum_scatter"``: inside your own ``shard_map``
-        (``axis_name``), this rank's ``[B, H / tp]`` columns; through ``shard_params``' params, the
-        global ``[B, H]`` array with its columns split over the mesh's devices.
-      plan: ``(values float8_e4m3fn [B, L], scales float8_e8m0fnu [B, L / 32])`` with ``plan=True``,
-        else None.
+      shared: ``[B, H]`` bfloat16 shared-expert output, or None without shared-expert weights; with
+        ``shared_reduce="psum_scatter"`` split over the hidden size (``moe_front``'s docstring).
+      plan: ``(values float8_e4m3fn [B, L], scales float8_e8m0fnu [B, L / 32])``, or None.
       status: int32 scalar: 0, or a mailbox timeout code.
-      dispatch: ``Dispatch`` (order, group sizes and inverse of SPEC section 4.1) with
-        ``permute=True``, else None. Through ``shard_params``' params over a mesh with data-parallel
-        axes, each group's dispatch over its own rows, concatenated (``sharded_front``).
+      dispatch: ``Dispatch`` with ``permute=True``, else None.
     """
 
     ids: jax.Array
@@ -154,28 +143,25 @@ def moe_front(
         where the routing kernel runs, it writes the order in the same launch as the top-k.
       backend: ``"auto"`` (on a GPU each stage's kernel where ``registry.STAGES`` prefers it, by
         measured tables; the reference elsewhere), ``"xla"`` (the reference), ``"pallas"`` (the
-        kernels) or ``"interpret"`` (the Pallas kernels in interpret mode).
+        kernels) or ``"interpret"`` (the Pallas kernels in interpret mode). ``mf.explain`` with
+        the same arguments prints what runs and why.
       axis_name: inside the caller's own ``jax.shard_map``: the mesh axis of the ``params.cfg.tp``
         ranks, ``params`` being this rank's (with Pallas kernels that ``shard_map`` needs
         ``check_vma=False``). See ``moe_front_jax.parallel``.
       shared_reduce: how the ranks' shared-expert partial sums are reduced: ``"psum"`` (``shared``
         ``[B, H]`` on every rank) or ``"psum_scatter"`` (each rank's ``H/tp`` hidden columns).
       mailbox: a ``Mailbox``: the logits and latent shard travel through it (published, polled,
-        copied out, re-armed; SPEC section 7) before routing; with ``plan=True`` the routing
-        kernel, where it runs, polls the mailbox itself and writes the plan
-        (``mailbox.exchange_route``); where the front GEMM kernel runs (tp = 1), it publishes from
-        its epilogue (``mailbox.gemm_exchange_route``). Donate it: ``jax.jit(moe_front,
-        donate_argnames="mailbox")``. Its path canonicalizes -0 logits and latent values to +0
-        (routing is unaffected: ``sigmoid(-0) == sigmoid(+0)``). With ``axis_name``, this
-        rank's mailbox (created for ``params.cfg``); the ranks' shards reach it through a gather in
-        plain JAX, or on a GPU through the peer-store publish (``exchange``'s ``transport="peer"``;
-        measured on one GPU only).
+        copied out, re-armed; SPEC section 7) before routing. Donate it: ``jax.jit(moe_front,
+        donate_argnames="mailbox")`` (a call outside ``jit`` donates it itself). Its path
+        canonicalizes -0 logits and latent values to +0 (routing is unaffected:
+        ``sigmoid(-0) == sigmoid(+0)``). With ``axis_name``, this rank's mailbox (created for
+        ``params.cfg``).
 
-    Where the params hold a shared expert and the streaming engine's kernels run (``"pallas"`` or
-    ``"interpret"``, ``B <= 64``, tp = 1), the front is merged: one launch over ``[router; latent;
-    gate; up]`` (the plan in its epilogue, or with a mailbox from the collect), routing, then the
-    shared expert's down (``registry.STAGES["front_gate_up"]``); with a mailbox its logits and
-    latent are published after it, so the mailbox path keeps the direct path's bits.
+    What runs is the call's plan (``moe_front_jax.planner``; docs/architecture.md describes every
+    path): where the params hold a shared expert and the streaming engine's kernels run and cover
+    the call (tp = 1), the front is merged: one launch over ``[router; latent; gate; up]``,
+    routing, then the shared expert's down. Every path gives the reference's answers within the
+    bounds of SPEC.md.
 
     Returns:
       ``FrontOutput(ids, weights, latent, logits, shared, plan, status, dispatch)``; with a
@@ -186,9 +172,9 @@ def moe_front(
         an unknown backend or shared_reduce, an ``axis_name`` that disagrees with the params, or a
         mailbox laid out for another config or too small for the batch.
       NotImplementedError: a mailbox with ``shard_params``' sharded params (each rank needs its own:
-        call ``moe_front`` inside ``jax.shard_map`` with ``axis_name`` instead); under
-        ``"pallas"`` or ``"interpret"``, a call a kernel does not cover (``B > 256`` rows; ``"auto"``
-        and ``"xla"`` take any ``B``).
+        call ``moe_front`` inside ``jax.shard_map`` with ``axis_name`` instead). Any ``B >= 1``
+        runs on every backend: a stage whose kernel does not cover it runs its reference (SPEC
+        section 9).
 
     Example::
 
@@ -286,13 +272,9 @@ def route(
 ) -> tuple[jax.Array, jax.Array] | tuple[jax.Array, jax.Array, Dispatch]:
     """The routing step alone: exact top-k of ``sigmoid(logits) + bias`` (SPEC section 4).
 
-    Args:
-      logits: ``[B, E]`` float32 router logits, ``B >= 1``.
-      bias: ``[E]`` float32 correction bias.
-      cfg: supplies ``experts``, ``top_k``, ``routed_scaling_factor`` and ``renormalize``.
-      backend: as for ``moe_front``.
-      permute: also return the ``Dispatch`` of SPEC section 4.1 (static under ``jax.jit``); where
-        the routing kernel runs, it writes it in the same launch as the top-k.
+    ``logits`` ``[B, E]`` float32 (``B >= 1``), ``bias`` ``[E]`` float32; ``cfg`` supplies ``experts``,
+    ``top_k``, ``routed_scaling_factor`` and ``renormalize``; ``backend`` as for ``moe_front``;
+    ``permute`` (static under ``jax.jit``) also returns the ``Dispatch`` of SPEC section 4.1.
 
     Returns:
       ``ids`` ``[B, K]`` int32 (``cfg.top_k`` distinct experts in ``[0, E)`` for any input, ties
@@ -300,9 +282,8 @@ def route(
       triple ``(ids, weights, Dispatch)``.
 
     Raises:
-      ValueError: an unknown ``backend``; ``cfg`` not a ``FrontConfig``; ``logits`` not a
-        ``[B, E]`` float32 array or an empty batch; ``bias`` not ``[E]`` float32; ``permute`` not
-        a bool.
+      ValueError: an unknown ``backend``, ``cfg`` not a ``FrontConfig``, ``logits`` or ``bias`` of
+        the wrong shape or dtype, an empty batch, ``permute`` not a bool.
     """
     permute = check_static_bool("permute", permute, "route")
     registry.check_backend(backend)

@@ -185,18 +185,13 @@ def publish(
     *,
     backend: str = "auto",
 ) -> Mailbox:
-    """Rank ``rank`` writes its logits and latent shard into the next generation's rows.
+    """Rank ``rank`` writes its ``logits`` ``[B, E/tp]`` float32 and ``latent_shard`` ``[B, L/tp]``
+    bfloat16 into the next generation's rows.
 
-    Args:
-      mailbox: the ``Mailbox`` (laid out for ``mailbox.cfg``, whose ``tp`` ranks share the rows).
-      logits: ``[B, E/tp]`` float32, the rank's router logits.
-      latent_shard: ``[B, L/tp]`` bfloat16, the rank's latent columns.
-      rank: an int in ``[0, tp)``, or an int32 scalar array (``lax.axis_index`` under ``shard_map``).
-      backend: as for ``moe_front`` (the jax-triton kernel publishes one device's rows, tp = 1).
-
-    Returns:
-      The mailbox with rows ``[0, B)`` of generation ``(control[0] + 1) mod G`` holding the canonical
-      words at the rank's columns, and ``control[1]`` that generation.
+    ``rank`` is an int in ``[0, tp)`` or an int32 scalar array (``lax.axis_index`` under
+    ``shard_map``); ``backend`` as for ``moe_front`` (the jax-triton kernel publishes one device's
+    rows, tp = 1). Returns the mailbox with rows ``[0, B)`` of generation ``(control[0] + 1) mod G``
+    holding the canonical words at the rank's columns, and ``control[1]`` that generation.
 
     Raises:
       ValueError: a wrong shape or dtype, a batch over the capacity, or an int ``rank`` out of range.
@@ -283,20 +278,11 @@ def exchange(
 ) -> tuple[jax.Array, jax.Array, jax.Array, Mailbox]:
     """One step through the mailbox: every rank publishes its shard, then this rank collects.
 
-    Jitted with the mailbox donated, so that a call outside ``jit`` updates the buffer in place; inside
-    the caller's ``jit`` the caller donates it.
-
-    Args:
-      mailbox: the ``Mailbox`` (armed).
-      logits: ``[B, E/tp]`` float32, this rank's router logits.
-      latent_shard: ``[B, L/tp]`` bfloat16, this rank's latent columns.
-      axis_name: with tp > 1, the mesh axis of the ranks (inside ``shard_map``); None for tp = 1.
-      backend: as for ``moe_front``.
-      transport: ``"gather"`` or ``"peer"`` (``TRANSPORTS``).
-
-    Returns:
-      ``(logits [B, E] float32, latent [B, L] bfloat16, status int32 scalar, mailbox)`` as
-      ``collect`` returns them.
+    ``logits`` ``[B, E/tp]`` float32 and ``latent_shard`` ``[B, L/tp]`` bfloat16 are this rank's;
+    ``axis_name`` the ranks' mesh axis inside ``shard_map`` (None for tp = 1); ``transport``
+    ``"gather"`` or ``"peer"`` (``TRANSPORTS``). Jitted with the mailbox donated (inside the
+    caller's ``jit`` the caller donates it). Returns ``(logits [B, E] float32, latent [B, L]
+    bfloat16, status int32 scalar, mailbox)`` as ``collect`` returns them.
 
     Raises:
       ValueError: a wrong shape, dtype or mailbox, a batch over its capacity, tp > 1 without
@@ -328,29 +314,16 @@ def exchange_route(
     plan: bool = False,
     permute: bool = False,
 ) -> tuple:
-    """``exchange``, then the routing of SPEC section 4 over the collected logits (and, with ``plan``,
-    the MXFP8 plan of the collected latent, SPEC section 5; with ``permute``, the dispatch order of
-    SPEC section 4.1).
+    """``exchange``, then routing (SPEC section 4) over the collected logits, with ``plan`` the MXFP8
+    plan of the collected latent (section 5), with ``permute`` the dispatch order (section 4.1).
 
-    The plan (``planner.exchange_plan``) runs ``route_collect`` (collect, route and plan in one
-    launch) where its kernel runs and the plan is asked for, else the collect, routing and plan
-    stages; the outputs are the same bits either way.
-
-    Args:
-      mailbox, logits, latent_shard, axis_name, backend, transport: as for ``exchange``.
-      bias: ``[E]`` float32 correction bias.
-      plan: also return the plan.
-      permute: also return the dispatch order.
-
-    Returns:
-      ``(ids [B, K] int32, weights [B, K] bfloat16, logits [B, E] float32, latent [B, L] bfloat16,
-      plan, status int32 scalar, dispatch, mailbox)``; ``plan`` is ``(values [B, L] float8_e4m3fn,
-      scales [B, L / plan_block] float8_e8m0fnu)``, or None without ``plan``; ``dispatch`` is
-      ``(order [B * K], group_sizes [E], inverse [B * K])`` int32 (``api.Dispatch``'s fields), or
-      None without ``permute``.
-
-    Raises:
-      As ``exchange``; a wrong bias is a ValueError.
+    ``bias`` is ``[E]`` float32; the other arguments are ``exchange``'s. The plan
+    (``planner.exchange_plan``) runs ``route_collect`` (collect, route and plan in one launch) where
+    its kernel runs and the plan is asked for, else the collect, routing and plan stages: the same
+    bits either way. Returns ``(ids [B, K] int32, weights [B, K] bfloat16, logits [B, E] float32,
+    latent [B, L] bfloat16, plan, status, dispatch, mailbox)``: ``plan`` ``(values, scales)`` or
+    None, ``dispatch`` ``(order, group_sizes, inverse)`` (``api.Dispatch``'s fields) or None.
+    Raises as ``exchange``; a wrong bias is a ``ValueError``.
     """
     batch = _check_exchange(mailbox, logits, latent_shard, axis_name, transport)
     step = planner.exchange_plan(mailbox, batch, backend=backend, transport=transport,
@@ -381,18 +354,11 @@ def gemm_exchange_route(
     ``front_gemm_publish``: where its kernel runs, the logits and latent go from the GEMM's
     registers into the mailbox and no publish kernel runs.
 
-    Args:
-      mailbox: the ``Mailbox`` (tp = 1, armed).
-      x, packed, split, valid: ``front_gemm``'s arguments.
-      bias, backend, plan, permute: as for ``exchange_route``.
-      plan_block: multiply with ``front_gemm_plan``'s schedule for this block rather than
-        ``front_gemm``'s: the one the direct path runs, so that both paths give the same bits.
-
-    Returns:
-      As ``exchange_route``.
-
-    Raises:
-      ValueError: a wrong mailbox, or shapes that disagree with it; otherwise as ``exchange_route``.
+    ``x``, ``packed``, ``split`` and ``valid`` are ``front_gemm``'s arguments; ``bias``,
+    ``backend``, ``plan`` and ``permute`` as for ``exchange_route``; ``plan_block`` multiplies with
+    ``front_gemm_plan``'s schedule for this block rather than ``front_gemm``'s (the one the direct
+    path runs, so that both give the same bits). Returns as ``exchange_route``; raises
+    ``ValueError`` for a wrong mailbox or shapes that disagree with it.
     """
     cfg = mailbox_config(mailbox)
     check_mailbox(mailbox, cfg, x.shape[0])

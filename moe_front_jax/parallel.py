@@ -92,39 +92,21 @@ def shard_params(
     axis: str = "tp",
     split_align: int = DEFAULT_SPLIT_ALIGN,
 ) -> FrontParams:
-    """Pack the weights for a ``tp``-way mesh axis and place each device's shard on it.
+    """Pack the unsharded ``weights`` (SPEC section 2) for the ``tp = mesh.shape[axis]`` ranks and
+    place each device's shard: rank ``r``'s block of every array is exactly ``pack_params(weights,
+    cfg.with_tp(tp), rank=r)``'s, held by the device at index ``r`` of ``axis`` (replicated over the
+    mesh's other axes, which split the batch). ``packed`` ``[tp * (split + L/tp), H]`` and
+    ``gate_up`` ``[2S, H]`` stack the rank blocks along rows (``PartitionSpec(axis, None)``),
+    ``down`` ``[H, S]`` splits its columns (``PartitionSpec(None, axis)``), ``bias`` ``[E]`` is
+    replicated. ``moe_front(x, params)`` then runs under ``jax.shard_map``; inside your own, pass
+    ``jax.tree.map(lambda a: a.sharding.spec, params)`` as in_specs and ``axis_name=axis``.
 
-    ``tp = mesh.shape[axis]``. The result holds global arrays whose rank-``r`` block along the sharded
-    dimension is exactly ``pack_params(weights, cfg.with_tp(tp), rank=r)``'s array, and the device at
-    index ``r`` of ``axis`` holds that block (over the mesh's other axes the weights are replicated):
+    ``cfg.tp`` is 1 (the mesh decides) or the axis size; ``split_align`` as for ``pack_params``.
+    Returns ``FrontParams`` with ``cfg.tp == tp``, ``mesh`` and ``axis`` set.
 
-    - ``packed`` ``[tp * (split + L/tp), H]`` bfloat16, rank blocks stacked along rows, sharded
-      ``PartitionSpec(axis, None)``;
-    - ``bias`` ``[E]`` float32, replicated;
-    - ``gate_up`` ``[2S, H]`` bfloat16, rank blocks ``[its S/tp gate rows; its S/tp up rows]`` stacked
-      along rows, ``PartitionSpec(axis, None)``;
-    - ``down`` ``[H, S]`` bfloat16 (the checkpoint's own layout), split along columns,
-      ``PartitionSpec(None, axis)``.
-
-    ``moe_front(x, params)`` then runs under ``jax.shard_map``; inside a caller's own ``shard_map``
-    over the same mesh, pass ``jax.tree.map(lambda a: a.sharding.spec, params)`` as the params' in_specs and
-    call ``moe_front(x, params, axis_name=axis)``.
-
-    Args:
-      weights: the unsharded weights under the keys of SPEC section 2.
-      cfg: the model config, with ``tp=1`` (the mesh decides) or ``tp`` equal to the axis size.
-      mesh: a ``jax.sharding.Mesh`` that has ``axis``; other axes are allowed (they split the batch).
-      axis: the mesh axis to shard over.
-      split_align: as for ``pack_params``.
-
-    Returns:
-      ``FrontParams`` with ``cfg.tp == tp``, ``mesh`` and ``axis`` set.
-
-    Raises:
-      ValueError: ``axis`` missing from ``mesh``, a mesh that is not a concrete ``Mesh`` (an
-        ``AbstractMesh`` places nothing), ``tp`` not dividing ``E``, ``L`` or ``S``, a ``cfg.tp``
-        that disagrees with the mesh, weights of the wrong keys, shapes or dtypes, or
-        ``split_align`` not a positive int.
+    Raises ``ValueError`` for ``axis`` not in a concrete ``Mesh``, ``tp`` not dividing ``E``, ``L``
+    or ``S``, a ``cfg.tp`` that disagrees, weights of the wrong keys, shapes or dtypes, or a bad
+    ``split_align``.
     """
     tp = mesh_tp(cfg, mesh, axis)
     if not isinstance(mesh, Mesh):
