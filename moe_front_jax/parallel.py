@@ -102,11 +102,9 @@ def shard_params(
     ``jax.tree.map(lambda a: a.sharding.spec, params)`` as in_specs and ``axis_name=axis``.
 
     ``cfg.tp`` is 1 (the mesh decides) or the axis size; ``split_align`` as for ``pack_params``.
-    Returns ``FrontParams`` with ``cfg.tp == tp``, ``mesh`` and ``axis`` set.
-
-    Raises ``ValueError`` for ``axis`` not in a concrete ``Mesh``, ``tp`` not dividing ``E``, ``L``
-    or ``S``, a ``cfg.tp`` that disagrees, weights of the wrong keys, shapes or dtypes, or a bad
-    ``split_align``.
+    Returns ``FrontParams`` with ``cfg.tp == tp``, ``mesh`` and ``axis`` set. Raises ``ValueError``
+    for ``axis`` not in a concrete ``Mesh``, ``tp`` not dividing ``E``, ``L`` or ``S``, a ``cfg.tp``
+    that disagrees, weights of the wrong keys, shapes or dtypes, or a bad ``split_align``.
     """
     tp = mesh_tp(cfg, mesh, axis)
     if not isinstance(mesh, Mesh):
