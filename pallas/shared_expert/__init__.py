@@ -18,15 +18,12 @@ from moe_front_jax.pallas.shared_expert.kernel import (
     table_key,
 )
 from moe_front_jax.pallas.shared_expert.tma import TmaConfig
-from moe_front_jax.pallas.shared_expert.triton import down_proj, gate_up_situ
 
 __all__ = [
     "SharedExpertConfig",
     "TmaConfig",
     "auto_prefers_kernel",
     "covers",
-    "down_proj",
-    "gate_up_situ",
     "heuristic_config",
     "load_table",
     "pick_config",
