@@ -13,8 +13,8 @@ the padding rows are never read, a tile feeds one output, and MXFP8 blocks never
 tp8 shard's 560 rows are too few tiles for 132 SMs, so K is split (the tile's last program sums
 the partials and runs the epilogue, ``gemm.triton``) or cut stream-K; at B <= 8 the vector schedule
 needs neither (docs/findings.md, the vector schedule). ``select`` says which schedule runs at given
-shapes, and why. Triton rather than Mosaic GPU: a pipelined K loop, small-M dots, masks and atomics are what it does
-well.
+shapes, and why. Triton rather than Mosaic GPU: a pipelined K loop, small-M dots, masks and atomics
+are what it does well.
 
 Cost per call (bf16 = 2 bytes; ``shard = n - split``):
   bytes = 2 (valid + shard) H             the weight, 64.2 MB at tp1 and 8.0 MB at tp8 for K3
@@ -76,7 +76,8 @@ def load_table(kind: str) -> dict[tuple[str, bool], FrontGemmConfig]:
     for key, entry in tuning_entries(kind, "front_gemm").items():
         table[key, False] = config_from_json(entry["config"], TRITON_CONFIGS)
         plan = config_from_json(entry.get("plan_config", entry["config"]), TRITON_CONFIGS)
-        if not isinstance(plan, VectorConfig):  # no plan epilogue: the plan takes the padded batch's entry
+        # A vector schedule has no plan epilogue: the plan takes the padded batch's entry.
+        if not isinstance(plan, VectorConfig):
             table[key, True] = plan
     return table
 
@@ -252,8 +253,9 @@ class _Outputs:
         """Publishing, at the end of the grid's first program only: record the generation in
         ``control[1]`` and zero the status word, values no program of this grid reads. One program:
         every program storing them doubled the vector schedule's time at B = 1 (docs/findings.md,
-        publishing from the front GEMM's epilogue). At the end: a store waits for its value, and at the start that is the
-        control word's load, which the compiled code for sm_90 puts the weight's loads behind."""
+        publishing from the front GEMM's epilogue). At the end: a store waits for its value, and at
+        the start that is the control word's load, which the compiled code for sm_90 puts the
+        weight's loads behind."""
         if self.buffer is not None:
 
             @pl.when(first_program)

@@ -30,9 +30,12 @@ TRITON_PIPELINE_SMEM = 160 * 1024
 """The heuristic keeps a Triton program's pipeline buffers under this, leaving the rest of the
 227 KiB a Hopper block may have to Triton's own layout conversions."""
 FOLD_K = 2048
-"""The router logits' float32 accumulation restarts a tensor-core dot chain every ``FOLD_K`` of K
-and adds it into a second sum: one chain over K3's 7168 is off the logits' 1e-5 contract
-(docs/findings.md, stream-K and the fold)."""
+"""A chain of tensor-core dots longer than ``FOLD_K`` of K is folded into a second float32 sum every
+``FOLD_K`` (at the same K positions whatever the partition): chained accumulation loses precision
+with the chain's length, and one chain over K3's 7168 is off the logits' 1e-5 contract. Shorter
+chains are not folded (the fold costs registers and the dots' asynchronous chaining); ``block_k``
+stays below it (at one step per fold the fold gives no precision). docs/findings.md, stream-K and
+the fold."""
 
 
 class ConfigChecks:

@@ -25,7 +25,6 @@ polls' round trips dominate the 12BW bytes.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax

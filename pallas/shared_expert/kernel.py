@@ -59,7 +59,8 @@ class SharedExpertConfig:
 
     @classmethod
     def from_json(cls, entry: dict) -> SharedExpertConfig:
-        """A tuning-table entry: ``gate_up`` and ``down`` in ``gemm.schedule.config_to_json``'s form."""
+        """A tuning-table entry: ``gate_up`` and ``down`` as ``gemm.schedule.config_to_json``
+        writes them."""
         return cls(*(config_from_json(entry[name], KERNEL_CONFIGS) for name in ("gate_up", "down")))
 
 

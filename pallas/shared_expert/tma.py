@@ -1,13 +1,14 @@
 """The shared expert's two GEMMs in Mosaic GPU: Hopper's TMA copies into warpgroup MMAs.
 
-The TMA schedule of ``shared_expert`` (``TmaConfig``, B <= 64): ``hidden = situ(bf16(x @ gate.T), bf16(x @ up.T))``, then ``hidden @ down.T``. Each CTA
-is one warpgroup that streams 64 weight rows (gate/up: and the matching up rows) over its
-``K / split_k`` chunk through ``emit_pipeline``'s ring of ``num_stages`` TMA stages of ``block_k``
-columns into wgmma. The copy engine keeps the weight in flight with no thread issuing loads, which a
-read at the HBM rate needs (docs/findings.md, the TMA schedule). The
-weight tile is wgmma's M and the batch, padded to a multiple of 8 (``tma_batch_rows``), its N. With
-``batch_m`` the batch is M (64 rows) and a CTA's rows, any multiple of 8, are N, so tp1 fills 128
-SMs instead of 96 and 112 (faster on one device kind, not on another: the tables choose).
+The TMA schedule of ``shared_expert`` (``TmaConfig``, B <= 64): ``hidden = situ(bf16(x @ gate.T),
+bf16(x @ up.T))``, then ``hidden @ down.T``. Each CTA is one warpgroup that streams 64 weight rows
+(gate/up: and the matching up rows) over its ``K / split_k`` chunk through ``emit_pipeline``'s ring
+of ``num_stages`` TMA stages of ``block_k`` columns into wgmma. The copy engine keeps the weight in
+flight with no thread issuing loads, which a read at the HBM rate needs (docs/findings.md, the TMA
+schedule). The weight tile is wgmma's M and the batch, padded to a multiple of 8
+(``tma_batch_rows``), its N. With ``batch_m`` the batch is M (64 rows) and a CTA's rows, any
+multiple of 8, are N, so tp1 fills 128 SMs instead of 96 and 112 (faster on one device kind, not on
+another: the tables choose).
 
 The epilogues run on the accumulators' registers (gate/up: bf16 rounding and situ; down: bf16) and
 TMA-store the tile through shared memory. Where K is split (tp8: 768 gate rows are 12 CTAs) or the
