@@ -68,9 +68,9 @@ STAGES: dict[str, Stage] = {
                            auto=f"{_P}.shared_expert:auto_prefers_kernel",
                            covers=f"{_P}.shared_expert:covers"),
     # The merged front on the streaming engine: the front GEMM (with its plan) and the shared
-    # expert's gate/up in one launch over [router; latent; gate; up], then the down. ``moe_front``
-    # takes it where both kernels run and cover the call, else the stages above. "auto" never
-    # prefers it: on an H100 (2026-12-07) a tp1 layer took 131-134 us with it, 121.0-132.2 without.
+    # expert's gate/up in one launch over [router; latent; gate; up], then the down. The plan takes
+    # it where both kernels run and cover the call, else the stages above. "auto" never prefers it:
+    # a tp1 layer measured slower with it than on the separate stages (docs/findings.md).
     "front_gate_up": Stage(f"{_R}.gemm:front_gate_up", f"{_P}.engine:front_gate_up", auto=NEVER,
                            covers=f"{_P}.engine:covers_front_gate_up"),
     "shared_down": Stage(f"{_R}.shared:shared_down", f"{_P}.engine:down", auto=NEVER,
