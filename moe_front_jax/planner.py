@@ -51,7 +51,7 @@ class Step:
       args, kwargs: its arguments (``kwargs`` a tuple of pairs, static).
       outputs: the environment names its results are bound to (one name: the whole result).
       kernel: whether ``run`` is a kernel rather than the reference or a collective.
-      why: the rule that chose ``run``.
+      why: the rule that chose ``run``, and where the kernel has several schedules, which one.
     """
 
     stage: str
@@ -180,13 +180,17 @@ class _Builder:
 
     def add(self, stage: str, args: tuple, outputs: tuple[str, ...], avals: tuple, **kwargs):
         choice = self.choose(stage, *args, **kwargs)
-        self.put(stage, choice.run, args, outputs, avals, choice.kernel, choice.why, **kwargs)
+        self.put(stage, choice.run, args, outputs, avals, choice.kernel, _why(choice), **kwargs)
 
     def put(self, stage: str, run: Callable, args: tuple, outputs: tuple[str, ...], avals: tuple,
             kernel: bool, why: str, **kwargs):
         self.steps.append(Step(stage, run, tuple(args), tuple(outputs), kernel, why,
                                tuple(kwargs.items())))
         self.avals.update(zip(outputs, avals))
+
+
+def _why(choice: registry.Choice) -> str:
+    return f"{choice.why}; {choice.schedule}" if choice.schedule else choice.why
 
 
 def _aval(shape, dtype) -> jax.ShapeDtypeStruct:
@@ -284,7 +288,7 @@ def _route_published(b: _Builder, batch: int, cfg: FrontConfig, plan: bool, perm
         b.put("route_collect", fused.run, args,
               ("ids", "weights", "logits", "latent", "plan", "status", "buffer", "control"),
               (*_route_avals(batch, cfg, False), *whole, *_plan_avals(batch, cfg), STATUS,
-               *box_avals), True, fused.why, with_plan=True)
+               *box_avals), True, _why(fused), with_plan=True)
         if permute:
             b.add("permute", (Ref("ids"), cfg), DISPATCH, _route_avals(batch, cfg, True)[2:])
         return
@@ -315,7 +319,7 @@ def _one_device(b: _Builder, batch: int, cfg: FrontConfig, split: int, has_share
     if merged:
         b.put("front_gate_up", gate_up.run, (*gemm, Ref("gate_up"), cfg),
               ("logits", "latent", "plan", "hidden"), (*whole, *planned, hidden), True,
-              gate_up.why, plan=merged_plan)
+              _why(gate_up), plan=merged_plan)
     plan_gemm = plan and not merged and b.choose("front_gemm_plan", *gemm, cfg.plan_block).kernel
     if mailbox:
         block = cfg.plan_block if plan_gemm else None
@@ -325,7 +329,7 @@ def _one_device(b: _Builder, batch: int, cfg: FrontConfig, split: int, has_share
             b.put("front_gemm_publish", publish.run, (*gemm, *box),
                   ("buffer", "control", "tickets", "status"),
                   (b.avals["buffer"], b.avals["control"], b.avals["tickets"], STATUS), True,
-                  publish.why, plan_block=block)
+                  _why(publish), plan_block=block)
         else:
             if not merged:
                 b.add("front_gemm", gemm, ("logits", "latent"), whole)

@@ -39,6 +39,8 @@ class Stage:
       interprets: whether the kernel has Pallas' interpret mode (``"interpret"`` runs it there).
       covers: optional predicate over the arguments that raises ``NotImplementedError`` where the
         kernel does not cover them, without running it (so a caller can choose a path first).
+      selects: optional function of the arguments that names the kernel's implementation and
+        schedule, and why (a ``gemm.schedule.Selection``), for a stage of several.
     """
 
     reference: str
@@ -46,6 +48,7 @@ class Stage:
     auto: str = ALWAYS
     interprets: bool = True
     covers: str | None = None
+    selects: str | None = None
 
 
 _P = "moe_front_jax.pallas"
@@ -53,11 +56,12 @@ _R = "moe_front_jax.reference"
 STAGES: dict[str, Stage] = {
     "front_gemm": Stage(f"{_R}.gemm:front_gemm", f"{_P}.front_gemm:front_gemm",
                         auto=f"{_P}.front_gemm:auto_prefers_kernel",
-                        covers=f"{_P}.front_gemm:covers"),
+                        covers=f"{_P}.front_gemm:covers", selects=f"{_P}.front_gemm:selects"),
     # The plan from the GEMM's epilogue was never timed against XLA's GEMM followed by the plan
     # kernel as one, so "auto" runs the plain GEMM and the plan stage.
     "front_gemm_plan": Stage(f"{_R}.gemm:front_gemm_plan", f"{_P}.front_gemm:front_gemm_plan",
-                             auto=NEVER, covers=f"{_P}.front_gemm:covers"),
+                             auto=NEVER, covers=f"{_P}.front_gemm:covers",
+                             selects=f"{_P}.front_gemm:selects"),
     # With ``permute=True`` (a keyword) the routing kernel also writes the dispatch order (SPEC 4.1)
     # in the same launch; "permute" is that order alone from ids (after ``route_collect``).
     "route": Stage(f"{_R}.routing:route", f"{_P}.route:route", covers=f"{_P}.route:covers"),
@@ -66,7 +70,8 @@ STAGES: dict[str, Stage] = {
     "plan": Stage(f"{_R}.plan:mxfp8_plan", f"{_P}.plan:plan", covers=f"{_P}.plan:covers"),
     "shared_expert": Stage(f"{_R}.shared:shared_expert", f"{_P}.shared_expert:shared_expert",
                            auto=f"{_P}.shared_expert:auto_prefers_kernel",
-                           covers=f"{_P}.shared_expert:covers"),
+                           covers=f"{_P}.shared_expert:covers",
+                           selects=f"{_P}.shared_expert:selects"),
     # The merged front on the streaming engine: the front GEMM (with its plan) and the shared
     # expert's gate/up in one launch over [router; latent; gate; up], then the down. The plan takes
     # it where both kernels run and cover the call, else the stages above. "auto" never prefers it:
@@ -83,7 +88,8 @@ STAGES: dict[str, Stage] = {
                              interprets=False),
     "front_gemm_publish": Stage(f"{_R}.mailbox:gemm_publish", f"{_P}.front_gemm:front_gemm_publish",
                                 auto=f"{_P}.front_gemm:auto_prefers_publish",
-                                covers=f"{_P}.front_gemm:covers_publish"),
+                                covers=f"{_P}.front_gemm:covers_publish",
+                                selects=f"{_P}.front_gemm:selects_publish"),
     "route_collect": Stage(f"{_R}.mailbox:collect_route_plan", f"{_P}.route_collect:route_collect",
                            covers=f"{_P}.route_collect:covers"),
 }
@@ -91,11 +97,13 @@ STAGES: dict[str, Stage] = {
 
 class Choice(NamedTuple):
     """What runs a stage: ``run`` takes the stage's arguments; ``kernel`` says whether it is the
-    kernel (in interpret mode or not) rather than the reference; ``why`` is the rule that chose it."""
+    kernel (in interpret mode or not) rather than the reference; ``why`` is the rule that chose it;
+    ``schedule`` names the kernel's implementation and schedule where the stage has several."""
 
     run: Callable
     kernel: bool
     why: str = ""
+    schedule: str = ""
 
 
 def check_backend(backend: str) -> str:
@@ -168,7 +176,11 @@ def choose(name: str, backend: str, *args, **kwargs) -> Choice:
     kernel = load(stage.kernel)
     if stage.interprets:
         kernel = functools.partial(kernel, interpret=backend == "interpret")
-    return Choice(kernel, True, why)
+    schedule = ""
+    if stage.selects is not None:
+        selection = load(stage.selects)(*args, **kwargs)
+        schedule = f"{selection.implementation} ({selection.reason})"
+    return Choice(kernel, True, why, schedule)
 
 
 def run(name: str, backend: str, *args, **kwargs):

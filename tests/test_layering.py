@@ -93,7 +93,7 @@ def runtime_strings() -> dict[str, set[str]]:
 
     targets = {"moe_front_jax.registry": set(), "moe_front_jax": set()}
     for stage in registry.STAGES.values():
-        for value in (stage.reference, stage.kernel, stage.auto, stage.covers):
+        for value in (stage.reference, stage.kernel, stage.auto, stage.covers, stage.selects):
             if value and ":" in value:
                 targets["moe_front_jax.registry"].add(value.split(":")[0])
     for name, module in moe_front_jax._PUBLIC.items():

@@ -221,6 +221,9 @@ def test_kimi_k3_auto_plan_is_what_lowers_for_an_h200(batch):
     x = jax.ShapeDtypeStruct((batch, cfg.hidden), jnp.bfloat16)
     front = explain_for_h200(x, params, plan=True)
     assert front.stages()[-1] == "shared_expert" and "route" in front.stages()
+    for step in front.steps:  # a kernel of several schedules names the one its table chose
+        if step.kernel and step.stage in ("front_gemm", "front_gemm_plan", "shared_expert"):
+            assert re.search(r"; \S+.* \((NVIDIA H200 table|heuristic)", step.why), step.why
     found = lowered_kernel_steps(partial(mf.moe_front, plan=True), x, params)
     assert_matches(front, found)
 

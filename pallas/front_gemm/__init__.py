@@ -18,6 +18,8 @@ from moe_front_jax.pallas.front_gemm.kernel import (
     load_table,
     pick_config,
     select,
+    selects,
+    selects_publish,
     table_key,
     ticket_count,
 )
@@ -35,6 +37,8 @@ __all__ = [
     "load_table",
     "pick_config",
     "select",
+    "selects",
+    "selects_publish",
     "table_key",
     "ticket_count",
 ]

@@ -102,6 +102,19 @@ def select(valid: int, shard: int, hidden: int, batch: int, plan: bool = False) 
     return Selection(config.IMPLEMENTATION, config, reason)
 
 
+def selects(x, packed, split: int, valid: int, block: int | None = None) -> Selection:
+    """``select`` for the stage arguments of ``front_gemm`` (and, with ``block``,
+    ``front_gemm_plan``)."""
+    return select(valid, packed.shape[0] - split, x.shape[1], x.shape[0], block is not None)
+
+
+def selects_publish(x, packed, split: int, valid: int, *mailbox, plan_block=None) -> Selection:
+    """``select`` for ``front_gemm_publish``'s arguments: ``front_gemm_plan``'s schedule where
+    ``plan_block`` is given, else ``front_gemm``'s."""
+    del mailbox
+    return selects(x, packed, split, valid, plan_block)
+
+
 def pick_config(
     valid: int, shard: int, hidden: int, batch: int, plan: bool = False
 ) -> FrontGemmConfig:

@@ -14,6 +14,7 @@ from moe_front_jax.pallas.shared_expert.kernel import (
     load_table,
     pick_config,
     select,
+    selects,
     shared_expert,
     table_key,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "load_table",
     "pick_config",
     "select",
+    "selects",
     "shared_expert",
     "table_key",
 ]

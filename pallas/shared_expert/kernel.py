@@ -99,6 +99,12 @@ def select(shared_per_rank: int, hidden: int, batch: int) -> Selection:
     return Selection(config.implementation, config, reason)
 
 
+def selects(x, gate_up, down, cfg, out_dtype=jnp.bfloat16) -> Selection:
+    """``select`` for the stage arguments of ``shared_expert``."""
+    del gate_up, cfg, out_dtype
+    return select(down.shape[1], x.shape[1], x.shape[0])
+
+
 def pick_config(shared_per_rank: int, hidden: int, batch: int) -> SharedExpertConfig:
     """``select(...).config``."""
     return select(shared_per_rank, hidden, batch).config
