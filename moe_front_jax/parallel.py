@@ -264,7 +264,8 @@ def rank_front(
 
     Raises:
       ValueError: ``axis_name`` is not an axis of the enclosing ``shard_map``, its size is not
-        ``params.cfg.tp``, or ``psum_scatter`` over a hidden size ``tp`` does not divide.
+        ``params.cfg.tp``, ``psum_scatter`` over a hidden size ``tp`` does not divide, or a kernel
+        would run under a ``shard_map`` with ``check_vma=True``.
     """
     cfg = params.cfg
     try:
@@ -279,6 +280,12 @@ def rank_front(
             f"tp={cfg.tp}"
         )
     check_scatter(shared_reduce, cfg, tp)
+    if (axis_name in jax.typeof(params.packed).manual_axis_type.varying
+            and runs_kernels(params, x.shape[0], backend, plan, permute)):
+        raise ValueError(
+            f"backend={backend!r} runs Pallas kernels here, whose outputs carry no varying-axes "
+            "type: pass check_vma=False to the enclosing jax.shard_map"
+        )
     logits, latent_shard = registry.run("front_gemm", backend, x, params.packed, params.split,
                                         cfg.experts_per_rank)
     status = jnp.zeros((), jnp.int32)
