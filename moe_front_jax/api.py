@@ -62,8 +62,8 @@ class FrontOutput(NamedTuple):
         else None.
       status: int32 scalar: 0, or a mailbox timeout code.
       dispatch: ``Dispatch`` (order, group sizes and inverse of SPEC section 4.1) with
-        ``permute=True``, else None. Through ``shard_params``' params over a mesh with data-parallel
-        axes, each group's dispatch over its own rows, concatenated (``sharded_front``).
+        ``permute=True``, else None; over every row of ``x``, with ``shard_params``' params on a
+        mesh with data-parallel axes too.
     """
 
     ids: jax.Array

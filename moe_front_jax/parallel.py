@@ -352,9 +352,9 @@ def sharded_front(
       The fields of ``FrontOutput`` as global arrays: everything ``[B, ...]`` replicated over the
       ``tp`` axis, except ``shared`` under ``"psum_scatter"``: ``[B, H]`` whose hidden columns are
       sharded over it (each device holds its ``H/tp`` columns of the reduce-scatter). The dispatch
-      (with ``permute``): ``order`` and ``inverse`` ``[B * K]``, ``group_sizes`` ``[groups * E]``,
-      split over the data-parallel axes: group ``g``'s part is the dispatch of its own rows, its
-      slots numbered from 0 (with no data-parallel axis, the direct path's dispatch).
+      (with ``permute``) is global, the direct path's: ``order`` and ``inverse`` ``[B * K]`` over
+      every slot of the batch, ``group_sizes`` ``[E]``; with data-parallel axes it is the reference
+      permutation of the gathered ids, computed after the ``shard_map``.
 
     Raises:
       ValueError: ``B`` not divisible by the product of the other mesh axes' sizes, or
@@ -380,11 +380,15 @@ def sharded_front(
     specs = param_specs(axis)
     shared_spec = PartitionSpec(batch, axis) if shared_reduce == "psum_scatter" else rows
 
+    # With data-parallel groups each group's dispatch would number its own slots: the global one
+    # is the permutation of the global ids, after the shard_map.
+    local_permute = permute and groups == 1
+
     def body(x, packed, bias, gate_up, down):
         local = FrontParams(packed, bias, gate_up, down, cfg, params.split)
         fields, _ = rank_front(
             x, local, axis, plan=plan, backend=backend, shared_reduce=shared_reduce,
-            permute=permute,
+            permute=local_permute,
         )
         return fields
 
@@ -395,6 +399,9 @@ def sharded_front(
         out_specs=(rows, rows, rows, rows, shared_spec, rows, PartitionSpec(),
                    PartitionSpec(batch)),
         # A pallas_call's out_shape carries no varying-axes type, which check_vma=True requires.
-        check_vma=not runs_kernels(params, x.shape[0] // groups, backend, plan, permute),
+        check_vma=not runs_kernels(params, x.shape[0] // groups, backend, plan, local_permute),
     )
-    return front(x, params.packed, params.bias, params.gate_up, params.down)
+    fields = front(x, params.packed, params.bias, params.gate_up, params.down)
+    if permute and groups > 1:
+        fields = (*fields[:-1], registry.run("permute", "xla", fields[0], cfg))
+    return fields
