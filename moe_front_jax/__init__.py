@@ -20,10 +20,12 @@ Entry points: ``moe_front`` (the whole front of a decode step) and ``route`` (ro
 ``nn.MoEFront`` (a Flax NNX module); ``shard_params`` (tensor parallelism over a mesh; or call
 ``moe_front`` with ``axis_name=`` inside your own ``jax.shard_map``); ``Mailbox`` (the Lamport
 exchange between ranks); ``load_params`` / ``load_weights`` (safetensors checkpoints);
-``reference`` (the plain-JAX reference every kernel is tested against).
+``reference`` (the plain-JAX reference every kernel is tested against). ``__version__``: the
+installed distribution's version.
 """
 
 import importlib
+import importlib.metadata
 
 # Each public name -> the module that defines it, imported when first used: importing a kernel
 # (``moe_front_jax.pallas.route``) then loads only what it needs, not Flax or safetensors.
@@ -50,6 +52,13 @@ __all__ = sorted(_PUBLIC)
 
 
 def __getattr__(name: str):
+    if name == "__version__":
+        # The installed distribution's version (pyproject.toml's); "0+unknown" for a source tree
+        # imported through PYTHONPATH without installing it.
+        try:
+            return importlib.metadata.version("moe-front-jax")
+        except importlib.metadata.PackageNotFoundError:
+            return "0+unknown"
     if name not in _PUBLIC:
         raise AttributeError(f"module 'moe_front_jax' has no attribute {name!r}")
     module = _PUBLIC[name]
@@ -60,4 +69,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_PUBLIC))
+    return sorted(set(globals()) | set(_PUBLIC) | {"__version__"})

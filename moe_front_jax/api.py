@@ -53,7 +53,8 @@ class FrontOutput(NamedTuple):
         ``shared_reduce="psum_scatter"`` split over the hidden size (``moe_front``'s docstring).
       plan: ``(values float8_e4m3fn [B, L], scales float8_e8m0fnu [B, L / 32])``, or None.
       status: int32 scalar: 0, or a mailbox timeout code.
-      dispatch: ``Dispatch`` with ``permute=True``, else None.
+      dispatch: ``Dispatch`` with ``permute=True``, else None; over every row of ``x``, with
+        ``shard_params``' params on a mesh with data-parallel axes too.
     """
 
     ids: jax.Array
@@ -217,6 +218,9 @@ def moe_front(
 def _planned_front(x, params: FrontParams, mailbox, **options) -> dict:
     """``front_plan`` for these arguments, run."""
     front = planner.front_plan(x.shape[0], params, mailbox=mailbox, **options)
+    if options["axis_name"] is not None:
+        parallel.check_vma_off(params, options["axis_name"], options["backend"],
+                               front.runs_kernels)
     return planner.run_front(front, x, params, mailbox)
 
 

@@ -11,12 +11,14 @@ import dataclasses
 import math
 import numbers
 
+import jax
 import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
 class FrontConfig:
-    """Sizes and constants of one MoE front (SPEC.md section 1).
+    """Sizes and constants of one MoE front (SPEC.md section 1). Frozen and hashable; a static pytree
+    node, so ``jax.jit(f)(..., cfg)`` takes it without ``static_argnames``.
 
     Attributes:
       hidden: model width ``H``, the front GEMM's K.
@@ -105,6 +107,11 @@ class FrontConfig:
         """The same model split over ``tp`` ranks (validated)."""
         return dataclasses.replace(self, tp=tp)
 
+
+# A config is a static pytree node (no leaves; the config itself is the treedef's auxiliary data,
+# hashed and compared by value): passed to a jitted function, it is part of the trace's key, as a
+# static argument would be, with no static_argnames needed.
+jax.tree_util.register_static(FrontConfig)
 
 KIMI_K3 = FrontConfig()
 """Kimi-K3: 7168 wide, 896 experts, top-16, latent 3584, shared intermediate 6144."""

@@ -124,6 +124,13 @@ def check_mailbox(mailbox, cfg: FrontConfig, batch: int) -> None:
     """
     if mailbox_config(mailbox) != cfg:
         raise ValueError(f"mailbox was created for {mailbox.cfg}, but the params are for {cfg}")
+    arrays = (mailbox.buffer, mailbox.control, mailbox.tickets)
+    if any(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.is_deleted()
+           for a in arrays):
+        raise ValueError(
+            "mailbox's arrays were deleted: an earlier call donated them (moe_front outside jit, "
+            "or a jit with donate_argnames='mailbox'); pass the Mailbox that call returned"
+        )
     shape, dtype = tuple(mailbox.buffer.shape), mailbox.buffer.dtype
     if len(shape) != 3 or shape[2] != row_words(cfg) or dtype != jnp.uint32:
         raise ValueError(

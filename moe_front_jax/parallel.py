@@ -43,8 +43,8 @@ from moe_front_jax.params import (
 from moe_front_jax.reference.exchange import exchange, reduce_shared
 
 __all__ = ["SHARED_REDUCES", "check_groups", "check_rank", "check_scatter", "check_shared_reduce",
-           "check_sharded_params", "exchange", "mesh_tp", "param_specs", "reduce_shared",
-           "shard_params"]
+           "check_sharded_params", "check_vma_off", "exchange", "mesh_tp", "param_specs",
+           "reduce_shared", "shard_params"]
 
 SHARED_REDUCES = ("psum", "psum_scatter")
 
@@ -176,6 +176,17 @@ def check_rank(params: FrontParams, axis_name: str, shared_reduce: str) -> None:
             f"tp={cfg.tp}"
         )
     check_scatter(shared_reduce, cfg, tp)
+
+
+def check_vma_off(params: FrontParams, axis_name: str, backend: str, runs_kernels: bool) -> None:
+    """Kernels inside the caller's ``shard_map`` need its ``check_vma=False``: a ``pallas_call``'s
+    outputs carry no varying-axes type. Raises a ``ValueError`` that says so where a kernel would
+    run (``runs_kernels``, read off the call's plan) under ``check_vma=True``."""
+    if runs_kernels and axis_name in jax.typeof(params.packed).manual_axis_type.varying:
+        raise ValueError(
+            f"backend={backend!r} runs Pallas kernels here, whose outputs carry no varying-axes "
+            "type: pass check_vma=False to the enclosing jax.shard_map"
+        )
 
 
 def check_groups(x, params: FrontParams, shared_reduce: str) -> None:

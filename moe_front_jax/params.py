@@ -65,8 +65,10 @@ def init_weights(key: jax.Array, cfg: FrontConfig, shared: bool | None = None
       ``[H, S]`` bf16.
 
     Raises:
-      ValueError: ``shared=True`` for a config without a shared expert (``cfg.shared == 0``).
+      ValueError: ``key`` not a ``jax.random`` key; ``shared=True`` for a config without a shared
+        expert (``cfg.shared == 0``).
     """
+    check_key(key)
     if shared is None:
         shared = cfg.shared > 0
     elif shared and not cfg.shared:
@@ -86,6 +88,20 @@ def init_weights(key: jax.Array, cfg: FrontConfig, shared: bool | None = None
         weights[GATE_UP] = normal(keys[3], (2 * cfg.shared, h), h)
         weights[DOWN] = normal(keys[4], (h, cfg.shared), cfg.shared)
     return weights
+
+
+def check_key(key) -> None:
+    """``key`` must be a ``jax.random`` key: a typed key (``jax.random.key``) or a legacy ``uint32``
+    ``[2]`` array (``jax.random.PRNGKey``), concrete or traced."""
+    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key) and shape == ()
+    legacy = dtype == jnp.uint32 and tuple(shape or ()) == (2,)
+    if not (typed or legacy):
+        got = f"{type(key).__name__} {key!r}" if dtype is None else f"{tuple(shape)} {dtype}"
+        raise ValueError(
+            f"key must be a jax.random key (jax.random.key(seed), or a uint32 [2] "
+            f"jax.random.PRNGKey), got {got}"
+        )
 
 
 def check_weights(weights: Mapping[str, jax.Array], cfg: FrontConfig) -> bool:

@@ -91,6 +91,7 @@ class FrontPlan:
       notes: the decisions that are not one step's (the merged front, the transport).
       mesh, axis: the sharded path's mesh and tensor-parallel axis.
       groups: data-parallel groups of the sharded path (the product of the mesh's other axes).
+      after: the sharded path's steps over the global outputs, after the ``shard_map``.
       shared_reduce: how ``shared``'s partial sums are reduced on the tensor-parallel paths.
     """
 
@@ -105,10 +106,12 @@ class FrontPlan:
     axis: str | None = None
     groups: int = 1
     shared_reduce: str = "psum"
+    after: tuple[Step, ...] = ()
 
     @property
     def runs_kernels(self) -> bool:
-        """Whether any step runs a kernel (in interpret mode or not)."""
+        """Whether any step inside the ``shard_map`` (every step off the sharded path) runs a kernel,
+        in interpret mode or not."""
         return any(step.kernel for step in self.steps)
 
     @property
@@ -141,7 +144,8 @@ class FrontPlan:
         if self.mesh is not None:
             head += f", shard_map over {self.axis!r} x {self.groups} data group(s)"
         rows = [("#", "stage", "runs", "why")]
-        rows += [(str(i), s.stage, s.implementation, s.why) for i, s in enumerate(self.steps, 1)]
+        rows += [(str(i), s.stage, s.implementation, s.why)
+                 for i, s in enumerate(self.steps + self.after, 1)]
         widths = [max(len(row[c]) for row in rows) for c in range(3)]
         lines = [head] + ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3]
                           for row in rows]
@@ -402,9 +406,19 @@ def front_plan(batch: int, params: FrontParams, *, plan: bool = False, permute: 
         groups = math.prod(mesh.shape[n] for n in mesh.axis_names if n != axis)
         rows = batch // groups
         b = _Builder(backend, _front_avals(rows, cfg, split, has_shared))
-        _one_rank(b, rows, cfg, split, has_shared, axis, shared_reduce=shared_reduce, **options)
+        # With data-parallel groups each group routes its own rows; the dispatch of every row is
+        # the permutation of the global ids, after the shard_map, by the reference sort (a kernel
+        # over a global array sharded over the groups is not tested).
+        local = dict(options, permute=permute and groups == 1)
+        _one_rank(b, rows, cfg, split, has_shared, axis, shared_reduce=shared_reduce, **local)
+        after = _Builder("xla", dict(ids=_aval((batch, cfg.top_k), jnp.int32)))
+        if permute and groups > 1:
+            after.add("permute", (Ref("ids"), cfg), DISPATCH, _route_avals(batch, cfg, True)[2:])
+            step = after.steps[0]
+            after.steps[0] = dataclasses.replace(
+                step, why=f"the global dispatch of {groups} data groups: the reference sort")
         return FrontPlan("sharded", backend, platform, kind, rows, tuple(b.steps), tuple(b.notes),
-                         mesh, axis, groups, shared_reduce)
+                         mesh, axis, groups, shared_reduce, tuple(after.steps))
     b = _Builder(backend, _front_avals(batch, cfg, split, has_shared, mailbox))
     if axis_name is not None:
         _one_rank(b, batch, cfg, split, has_shared, axis_name, shared_reduce=shared_reduce,
@@ -526,4 +540,8 @@ def _run_sharded(plan: FrontPlan, x: jax.Array, params: FrontParams) -> dict[str
         out_specs=(rows, rows, rows, rows, shared, rows, PartitionSpec(), PartitionSpec(batch)),
         check_vma=plan.check_vma,
     )
-    return dict(zip(FIELDS, front(x, params.packed, params.bias, params.gate_up, params.down)))
+    fields = dict(zip(FIELDS, front(x, params.packed, params.bias, params.gate_up, params.down)))
+    if plan.after:
+        env = run(dataclasses.replace(plan, steps=plan.after, after=()), fields)
+        fields["dispatch"] = tuple(env[name] for name in DISPATCH)
+    return fields

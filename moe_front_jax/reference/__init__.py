@@ -14,6 +14,7 @@ tensor parallelism (the exchange, the shared expert's reduction) lives in ``moe_
 | | | ``round_to_bfloat16`` |
 | 7 | ``mailbox`` | ``publish``, ``collect``, ``gemm_publish``, ``collect_route_plan``, the row |
 | | | layout |
+| 3, 6 | ``dot`` | ``rows_dot``: the product of the front GEMM and the shared expert |
 """
 
 from moe_front_jax.reference import mailbox

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moe_front_jax.config import FrontConfig
+from moe_front_jax.reference.dot import rows_dot
 
 
 def round_to_bfloat16(y: jax.Array) -> jax.Array:
@@ -38,7 +39,7 @@ def shared_hidden(x: jax.Array, gate_up: jax.Array, cfg: FrontConfig) -> jax.Arr
     bfloat16, from ``x`` ``[B, H]`` and ``gate_up`` ``[2 S_r, H]`` (gate rows, then up rows), float32
     accumulation."""
     s_r = gate_up.shape[0] // 2
-    h = lax.dot_general(x, gate_up, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    h = rows_dot(x, gate_up)
     gate, up = round_to_bfloat16(h[:, :s_r]), round_to_bfloat16(h[:, s_r:])
     return situ(gate, up, cfg.situ_beta, cfg.linear_beta)
 
@@ -48,7 +49,7 @@ def shared_down(
 ) -> jax.Array:
     """The shared expert's second half: ``hidden @ down.T`` ``[B, H]`` in ``out_dtype`` from
     ``hidden`` ``[B, S_r]`` and ``down`` ``[H, S_r]``, float32 accumulation."""
-    out = lax.dot_general(hidden, down, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    out = rows_dot(hidden, down)
     return out.astype(out_dtype)
 
 
