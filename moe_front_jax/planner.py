@@ -542,6 +542,9 @@ def _run_sharded(plan: FrontPlan, x: jax.Array, params: FrontParams) -> dict[str
     )
     fields = dict(zip(FIELDS, front(x, params.packed, params.bias, params.gate_up, params.down)))
     if plan.after:
-        env = run(dataclasses.replace(plan, steps=plan.after, after=()), fields)
+        env = dict(fields)
+        if explicit:  # a sort over the batch takes it whole, not split over Explicit data axes
+            env["ids"] = jax.reshard(env["ids"], NamedSharding(mesh, PartitionSpec()))
+        env = run(dataclasses.replace(plan, steps=plan.after, after=()), env)
         fields["dispatch"] = tuple(env[name] for name in DISPATCH)
     return fields

@@ -179,6 +179,9 @@ def test_sharded_plan_is_what_runs(backend):
     front = mf.explain(x, sharded, backend=backend, plan=True, permute=True)
     assert (front.path, front.batch, front.groups) == ("sharded", 3, 2)
     assert front.check_vma == (backend == "xla")
+    # Each data group routes its rows; the dispatch of all of them is sorted after the shard_map.
+    assert "permute" not in front.stages()
+    assert [(s.stage, s.kernel) for s in front.after] == [("permute", False)]
     found = traced_kernel_steps(partial(mf.moe_front, backend=backend, plan=True, permute=True),
                                 x, sharded)
     assert_matches(front, found)
