@@ -31,11 +31,11 @@ from moe_front_jax import registry
 from moe_front_jax import mailbox as mailboxes
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import (
-    BIAS,
     DEFAULT_SPLIT_ALIGN,
     DOWN,
     GATE_UP,
     FrontParams,
+    bias_of,
     check_param_arrays,
     check_split_align,
     check_weights,
@@ -145,7 +145,7 @@ def shard_params(
     blocks = [rank_slices(weights, cfg, rank, split) for rank in range(tp)]
     arrays = {
         "packed": jnp.concatenate([packed for packed, _, _ in blocks]),
-        "bias": jnp.asarray(weights[BIAS]),
+        "bias": bias_of(weights, cfg),
         "gate_up": None,
         "down": None,
     }
