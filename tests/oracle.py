@@ -172,6 +172,19 @@ def shared_expert(x, gate_up, down, beta=4.0, linear_beta=25.0) -> np.ndarray:
     return hidden.astype(np.float64) @ np.asarray(down, BF16).astype(np.float64).T
 
 
+def silu_shared_expert(x, gate_up, down) -> np.ndarray:
+    """SPEC section 6 with ``activation = silu`` in float64, with the bfloat16 roundings of gate, up
+    and hidden."""
+    x64 = np.asarray(x, BF16).astype(np.float64)
+    gu = np.asarray(gate_up, BF16).astype(np.float64)
+    s = gu.shape[0] // 2
+    h = x64 @ gu.T
+    gate = h[:, :s].astype(BF16).astype(np.float64)
+    up = h[:, s:].astype(BF16).astype(np.float64)
+    hidden = (gate / (1.0 + np.exp(-gate)) * up).astype(BF16).astype(np.float64)
+    return hidden @ np.asarray(down, BF16).astype(np.float64).T
+
+
 def assert_valid_ids(ids, experts: int) -> None:
     """SPEC section 4's guarantee for any input: int32 ids in ``[0, experts)``, distinct per row."""
     ids = np.asarray(ids)
