@@ -250,3 +250,29 @@ def test_kimi_k3_routing_bits_are_unchanged():
     want_ids, want_weights = oracle.route(logits, bias, 16)
     np.testing.assert_array_equal(ids, want_ids)
     assert oracle.bf16_ulp_distance(weights, want_weights).max() <= 1
+
+
+def test_kernels_refuse_what_they_do_not_compute():
+    """The routing kernels rank sigmoid + bias over all experts and the shared-expert kernels apply
+    situ: "auto" falls through to the reference for the rest, "pallas" raises."""
+    from moe_front_jax.pallas.engine import kernel as engine
+    from moe_front_jax.pallas.route import kernel as route_kernel
+    from moe_front_jax.pallas.route_collect import kernel as route_collect
+    from moe_front_jax.pallas.shared_expert import triton
+
+    logits, bias = jnp.zeros((2, 64), jnp.float32), jnp.zeros((64,), jnp.float32)
+    with pytest.raises(NotImplementedError, match="groups=8, topk_groups=4 runs on backend='xla'"):
+        route_kernel.covers(logits, bias, GROUPED)
+    with pytest.raises(NotImplementedError, match="scoring='softmax'"):
+        route_collect.covers(None, None, None, bias[:32], 2, SOFTMAX)
+    route_kernel.covers(logits, bias, dataclasses.replace(GROUPED, topk_groups=8))  # every group
+    silu = mf.FrontConfig(hidden=64, experts=64, top_k=8, latent=64, shared=64, activation="silu")
+    x = jnp.zeros((2, 64), jnp.bfloat16)
+    gate_up, down = jnp.zeros((128, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="activation='silu' runs on backend='xla'"):
+        triton.covers(x, gate_up, down, silu)
+    packed = jnp.zeros((128, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="activation='silu'"):
+        engine.covers_front_gate_up(x, packed, 64, 64, gate_up, silu)
+    ids, _ = mf.route(logits, bias, GROUPED, backend="auto")   # the reference, on any machine
+    oracle.assert_valid_ids(np.asarray(ids), 64)

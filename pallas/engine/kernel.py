@@ -54,6 +54,7 @@ from moe_front_jax.pallas.gemm.mosaic import (
 )
 from moe_front_jax.pallas.gemm.schedule import check_matrices
 from moe_front_jax.pallas.plan.kernel import magnitude_bits, to_e4m3
+from moe_front_jax.pallas.shared_expert.triton import check_situ
 
 MAX_BATCH = 64
 """Largest batch: wgmma's M, ``x``'s rows as the TMA copy zero-fills them."""
@@ -562,13 +563,14 @@ def covers_front_gemm(x, packed, split, valid, *, config=None) -> None:
 
 
 def covers_front_gate_up(x, packed, split, valid, gate_up, cfg, *, plan=False, config=None) -> None:
-    """``covers_front_gemm`` for ``front_gate_up``: also the gate/up rows, and the plan's blocks
-    (latent CTAs a multiple of ``cfg.plan_block`` rows)."""
+    """``covers_front_gemm`` for ``front_gate_up``: also the gate/up rows, the plan's blocks
+    (latent CTAs a multiple of ``cfg.plan_block`` rows), and the situ activation only."""
     _check_config(config)
     _check_front(x, packed, split, valid)
     _check_gate_up(x, gate_up)
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
+    check_situ(cfg)
     _check_depth(x.shape[1], config, "hidden")
     if plan and shard_of(packed, split) % cfg.plan_block:
         raise ValueError(f"the latent shard's {shard_of(packed, split)} rows must be a multiple of "

@@ -360,10 +360,21 @@ def down_proj_t(
                  "shared_down", batch_t=batch)
 
 
+def check_situ(cfg: FrontConfig) -> None:
+    """Raise ``NotImplementedError`` unless the shared expert's activation is ``situ``, the one its
+    epilogues compute."""
+    if cfg.activation != "situ":
+        raise NotImplementedError(
+            f"the shared-expert kernels apply situ; activation={cfg.activation!r} runs on "
+            "backend='xla'")
+
+
 def covers(x, gate_up, down, cfg, out_dtype=jnp.bfloat16) -> None:
     """Raise ``NotImplementedError`` where the kernels do not cover these arguments (``B > 256``, H
-    or S_r not a multiple of 16), ``ValueError`` where they are wrong."""
+    or S_r not a multiple of 16, an activation other than situ), ``ValueError`` where they are
+    wrong."""
     _check(x, gate_up, down, cfg, out_dtype)
+    check_situ(cfg)
 
 
 def shared_expert(
@@ -400,7 +411,7 @@ def shared_expert(
 
       shared = shared_expert(x, params.gate_up, params.down, cfg)
     """
-    _check(x, gate_up, down, cfg, out_dtype)
+    covers(x, gate_up, down, cfg, out_dtype)
     s_r, hidden = down.shape[1], x.shape[1]
     config = config or pick_config(s_r, hidden, x.shape[0])
     if not isinstance(config, SharedExpertConfig):
