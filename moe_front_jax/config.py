@@ -20,23 +20,18 @@ ACTIVATIONS = ("situ", "silu")
 
 @dataclasses.dataclass(frozen=True)
 class FrontConfig:
-    """Sizes and constants of one MoE front (SPEC.md section 1).
+    """Sizes and constants of one MoE front (SPEC.md section 1; presets in ``moe_front_jax.configs``).
 
     Attributes:
-      hidden: model width ``H``, the front GEMM's K.
-      experts: routed experts ``E``.
-      top_k: experts chosen per token ``K``.
-      latent: width ``L`` of the routed experts' input (rows of ``routed_down_weight``); 0: no latent,
-        the routed experts take ``x`` itself (no latent output, no plan).
+      hidden, experts, top_k: model width ``H``, routed experts ``E``, experts per token ``K``.
+      latent: the routed experts' input width ``L`` (rows of ``routed_down_weight``); 0: no latent.
       shared: shared-expert intermediate ``S`` (0: the model has no shared expert).
-      routed_scaling_factor: multiplies the routing weights.
-      renormalize: divide the chosen weights by their sum.
+      routed_scaling_factor, renormalize: the routing weights' scale, and their division by the sum.
       situ_beta, linear_beta: constants of the shared expert's ``"situ"`` activation.
       tp: tensor-parallel ranks; ``experts``, ``latent`` and ``shared`` must divide by it.
       plan_block: elements per MXFP8 scale block of the latent plan.
-      groups, topk_groups: experts fall in ``groups`` equal groups of consecutive ids; routing keeps
-        the ``topk_groups`` best groups (SPEC section 4.2). 1 and 1: no grouping.
-      scoring: ``"sigmoid"`` (SPEC section 4) or ``"softmax"`` (section 4.3).
+      groups, topk_groups: expert groups and how many routing keeps (SPEC 4.2); 1, 1: none.
+      scoring: ``"sigmoid"`` (SPEC section 4) or ``"softmax"`` (4.3).
       bias: the router has an ``e_score_correction_bias`` (sigmoid scoring only).
       activation: the shared expert's, ``"situ"`` (Kimi-K3) or ``"silu"`` (SPEC section 6).
     """

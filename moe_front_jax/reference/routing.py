@@ -137,10 +137,8 @@ def route(
 
     Args:
       logits: ``[B, E]`` float32 router logits (all experts, every rank's shard).
-      bias: ``[E]`` float32 ``e_score_correction_bias`` (zeros for a config without one: softmax
-        scoring never reads it).
-      cfg: supplies ``top_k``, ``groups``, ``topk_groups``, ``scoring``, ``routed_scaling_factor``
-        and ``renormalize``.
+      bias: ``[E]`` float32 ``e_score_correction_bias`` (zeros without one; softmax never reads it).
+      cfg: supplies the routing fields (``top_k``, groups, ``scoring``, scale, ``renormalize``).
       permute: also return the dispatch order (``permutation``; static).
 
     Returns:
