@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from safetensors import safe_open
+
 from moe_front_jax.api import FrontOutput, moe_front
+from moe_front_jax.checkpoint import PathLike, checkpoint_files, load_weights
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import FrontParams, init_weights, pack_params
 
@@ -49,6 +52,55 @@ def init_experts(key: jax.Array, cfg: FrontConfig, intermediate: int) -> dict[st
     # Each GEMM contracts a routed weight's middle axis, and the up-projection's last.
     return {name: normal(k, shape, shape[-1] if name == ROUTED_UP else shape[-2])
             for k, (name, shape) in zip(keys, shapes.items())}
+
+
+EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+"""A routed expert's (gate, up, down) keys behind ``experts.{e}.`` in Hugging Face checkpoints:
+DeepSeek-V3, Kimi-K2, GLM-4.5 and Qwen3-MoE's, then Mixtral's."""
+
+
+def load_experts(paths_or_dir: PathLike | Iterable[PathLike], cfg: FrontConfig,
+                 prefix: str = "") -> dict[str, jax.Array]:
+    """The routed experts of a checkpoint without a latent, stacked into ``GATE_UP`` ``[E, H, 2I]``
+    and ``DOWN`` ``[E, I, H]`` bfloat16, from each expert's ``prefix + "experts.{e}."`` keys
+    (``EXPERT_NAMES``: ``gate_proj``/``up_proj``/``down_proj``, or Mixtral's ``w1``/``w3``/``w2``;
+    gate and up ``[I, H]``, down ``[H, I]``). ``paths_or_dir`` as for ``load_weights``.
+
+    Raises:
+      ValueError: a config with a latent; a missing key, or one of another shape or dtype than
+        expert 0's gate gives (naming it).
+    """
+    if cfg.latent:
+        raise ValueError(f"load_experts reads hidden-space experts; the config has latent={cfg.latent}")
+    files = checkpoint_files(paths_or_dir)
+    names = next((n for n in EXPERT_NAMES if f"{prefix}experts.0.{n[0]}.weight" in files), None)
+    if names is None:
+        raise ValueError(f"checkpoint has no key {prefix + 'experts.0.gate_proj.weight'!r} (nor "
+                         f"Mixtral's {prefix + 'experts.0.w1.weight'!r})")
+
+    def read(e: int, name: str, shape: tuple[int, int] | None) -> np.ndarray:
+        key = f"{prefix}experts.{e}.{name}.weight"
+        if key not in files:
+            raise ValueError(f"checkpoint has no key {key!r}")
+        with safe_open(files[key], framework="numpy") as f:
+            array = f.get_tensor(key)
+        if array.dtype != jnp.bfloat16 or (shape is not None and array.shape != shape):
+            want = "" if shape is None else f"{shape} "
+            raise ValueError(f"checkpoint key {key!r} is {array.shape} {array.dtype}, "
+                             f"expected {want}bfloat16")
+        return array
+
+    first = read(0, names[0], None)
+    if first.ndim != 2 or first.shape[1] != cfg.hidden:
+        raise ValueError(f"checkpoint key {prefix}experts.0.{names[0]}.weight is {first.shape}, "
+                         f"expected [intermediate, hidden={cfg.hidden}]")
+    rows = first.shape
+    gate_up, down = [], []
+    for e in range(cfg.experts):
+        gate, up = read(e, names[0], rows), read(e, names[1], rows)
+        gate_up.append(np.concatenate([gate.T, up.T], axis=1))
+        down.append(read(e, names[2], rows[::-1]).T)
+    return {GATE_UP: jnp.asarray(np.stack(gate_up)), DOWN: jnp.asarray(np.stack(down))}
 
 
 def dequantize_plan(values: jax.Array, scales: jax.Array) -> jax.Array:
@@ -117,6 +169,14 @@ class MoELayer:
         front_key, experts_key = jax.random.split(key)
         return cls.create(init_weights(front_key, cfg), init_experts(experts_key, cfg, intermediate),
                           cfg)
+
+    @classmethod
+    def from_checkpoint(cls, paths_or_dir: PathLike | Iterable[PathLike], cfg: FrontConfig,
+                        prefix: str = "") -> MoELayer:
+        """A Hugging Face layer without a latent: ``load_weights`` and ``load_experts`` behind
+        ``prefix`` (e.g. ``"model.layers.3.mlp."``, Mixtral's ``"model.layers.3.block_sparse_moe."``)."""
+        return cls.create(load_weights(paths_or_dir, cfg, prefix),
+                          load_experts(paths_or_dir, cfg, prefix), cfg)
 
     @property
     def cfg(self) -> FrontConfig:

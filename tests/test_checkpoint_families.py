@@ -113,3 +113,31 @@ def test_missing_up_and_missing_bias_are_named(tmp_path):
     # The same file loads as a config without a bias.
     no_bias = dataclasses.replace(DEEPSEEK, bias=False)
     assert P.BIAS not in mf.load_weights(tmp_path / "b.safetensors", no_bias, prefix=PREFIX)
+
+
+def test_routed_experts_missing_or_misshapen_are_named(tmp_path):
+    from moe_front_jax import layers
+
+    rng = np.random.default_rng(4)
+    prefix = "model.layers.0.block_sparse_moe."
+    tensors = {}
+    for e in range(MIXTRAL.experts):
+        tensors.update({f"{prefix}experts.{e}.w1.weight": bf16(rng, 16, 64),
+                        f"{prefix}experts.{e}.w3.weight": bf16(rng, 16, 64),
+                        f"{prefix}experts.{e}.w2.weight": bf16(rng, 64, 16)})
+    save_file(tensors, str(tmp_path / "ok.safetensors"))
+    experts = layers.load_experts(tmp_path / "ok.safetensors", MIXTRAL, prefix)
+    assert experts[layers.GATE_UP].shape == (8, 64, 32) and experts[layers.DOWN].shape == (8, 16, 64)
+    np.testing.assert_array_equal(np.asarray(experts[layers.GATE_UP][5, :, 16:]).view(np.uint16),
+                                  tensors[f"{prefix}experts.5.w3.weight"].T.view(np.uint16))
+    del tensors[f"{prefix}experts.7.w2.weight"]
+    tensors[f"{prefix}experts.3.w3.weight"] = bf16(rng, 8, 64)
+    save_file(tensors, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ValueError, match=rf"'{prefix}experts.3.w3.weight' is \(8, 64\) bfloat16, "
+                                         r"expected \(16, 64\) bfloat16"):
+        layers.load_experts(tmp_path / "bad.safetensors", MIXTRAL, prefix)
+    with pytest.raises(ValueError, match="checkpoint has no key 'x.experts.0.gate_proj.weight'"):
+        layers.load_experts(tmp_path / "ok.safetensors", MIXTRAL, "x.")
+    with pytest.raises(ValueError, match="hidden-space experts; the config has latent=64"):
+        layers.load_experts(tmp_path / "ok.safetensors", dataclasses.replace(MIXTRAL, latent=64),
+                            prefix)

@@ -125,8 +125,42 @@ def run_layer(layer, x):
 @pytest.mark.parametrize("source", ["recorded", "live"])
 def test_moe_layer_matches_hugging_face_block(source, family):
     case, hf = case_and_outputs(source, family)
-    got = np.asarray(run_layer(moe_layer(family, case), jnp.asarray(case["x"]))).astype(np.float64)
-    want = hf["out"].astype(np.float64)
+    assert_close(run_layer(moe_layer(family, case), jnp.asarray(case["x"])), hf["out"])
+
+
+def hugging_face_checkpoint(family: str, case: dict[str, np.ndarray]) -> tuple[dict, str]:
+    """The case's block under the names its model's checkpoints use, and the layer's prefix."""
+    mixtral = cases.FAMILIES[family]["model"] == "mixtral"
+    prefix = "model.layers.3.block_sparse_moe." if mixtral else "model.layers.3.mlp."
+    gate, up, down = layers.EXPERT_NAMES[1 if mixtral else 0]
+    i = case["experts_down"].shape[2]
+    tensors = {"gate.weight": case["gate"]}
+    if "bias" in case:
+        tensors["gate.e_score_correction_bias"] = case["bias"]
+    if "shared_gate" in case:
+        tensors.update({"shared_experts.gate_proj.weight": case["shared_gate"],
+                        "shared_experts.up_proj.weight": case["shared_up"],
+                        "shared_experts.down_proj.weight": case["shared_down"]})
+    for e, (gate_up, down_proj) in enumerate(zip(case["experts_gate_up"], case["experts_down"])):
+        tensors.update({f"experts.{e}.{gate}.weight": gate_up[:i], f"experts.{e}.{up}.weight": gate_up[i:],
+                        f"experts.{e}.{down}.weight": down_proj})
+    return {prefix + k: np.ascontiguousarray(v) for k, v in tensors.items()}, prefix
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_4_5", "qwen3_30b_a3b", "mixtral_8x7b"])
+def test_layer_from_a_hugging_face_checkpoint_matches_the_block(tmp_path, family):
+    from safetensors.numpy import save_file
+
+    case, hf = case_and_outputs("recorded", family)
+    tensors, prefix = hugging_face_checkpoint(family, case)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    layer = layers.MoELayer.from_checkpoint(tmp_path, front_config(family), prefix)
+    assert_close(run_layer(layer, jnp.asarray(case["x"])), hf["out"])
+
+
+def assert_close(got, want):
+    """The module docstring's tolerance."""
+    got, want = np.asarray(got).astype(np.float64), np.asarray(want).astype(np.float64)
     error = got - want
     relative = np.linalg.norm(error) / np.linalg.norm(want)
     assert relative <= 2.0 ** -7, relative
