@@ -18,6 +18,7 @@ Start::
 Entry points: ``moe_front`` (the whole front of a decode step) and ``route`` (routing alone);
 ``configs`` (presets: Kimi-K3, DeepSeek-V3, Kimi-K2, GLM-4.5, Qwen3-30B-A3B, Mixtral-8x7B);
 ``layers.MoELayer`` (a whole MoE layer: the front, the routed experts, the shared expert);
+``explain`` (what a call would run on this device, and why);
 ``nn.MoEFront`` (a Flax NNX module); ``shard_params`` (tensor parallelism over a mesh; or call
 ``moe_front`` with ``axis_name=`` inside your own ``jax.shard_map``); ``Mailbox`` (the Lamport
 exchange between ranks); ``load_params`` / ``load_weights`` (safetensors checkpoints);
@@ -35,7 +36,9 @@ _PUBLIC = {
     "FrontConfig": "moe_front_jax.config",
     "FrontOutput": "moe_front_jax.api",
     "FrontParams": "moe_front_jax.params",
+    "FrontPlan": "moe_front_jax.planner",
     "Mailbox": "moe_front_jax.mailbox",
+    "explain": "moe_front_jax.api",
     "init_weights": "moe_front_jax.params",
     "layers": None,
     "load_params": "moe_front_jax.checkpoint",

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import PartitionSpec
+
 from moe_front_jax.config import FrontConfig
 
 GATE = "gate.weight"
@@ -169,6 +171,16 @@ class FrontParams:
     @property
     def has_shared(self) -> bool:
         return self.gate_up is not None
+
+
+def param_specs(axis: str) -> dict[str, PartitionSpec]:
+    """``PartitionSpec`` of each array of sharded ``FrontParams`` (and of ``mf.nn.MoEFront``'s Params)."""
+    return {
+        "packed": PartitionSpec(axis, None),
+        "bias": PartitionSpec(),
+        "gate_up": PartitionSpec(axis, None),
+        "down": PartitionSpec(None, axis),
+    }
 
 
 def check_param_arrays(params: FrontParams, ranks: int, where: str) -> None:

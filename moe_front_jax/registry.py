@@ -1,14 +1,13 @@
-"""The dispatch registry: the one place that decides which implementation runs each stage.
+"""The stage table: each stage's reference, kernel and ``auto`` rule, and ``choose``, which says what
+runs one stage under a backend and why. ``moe_front_jax.planner`` asks it step by step.
 
-Every stage declares its reference (``moe_front_jax.reference``), its kernel and when ``"auto"``
-prefers the kernel; every implementation of a stage takes the same arguments. The backends:
-``"xla"`` runs the reference; ``"pallas"`` the kernel (a GPU is needed); ``"interpret"`` the kernel in
-Pallas' interpret mode on any machine (the mailbox's jax-triton kernels have no such mode: there it
-runs the reference); ``"auto"`` the kernel on a GPU where the stage's ``auto`` rule prefers it, else
-the reference. As in tokamax, a kernel raises ``NotImplementedError`` for a valid request it does not
-cover (``B > 256``, more experts than its lanes, a mailbox of tp > 1, ...): ``"auto"`` then falls
-through to the reference, ``"pallas"`` and ``"interpret"`` pass the error on. ``ValueError`` is for
-bad input only. Decisions are made when a call is traced, from static shapes, at no run-time cost.
+Every implementation of a stage takes the same arguments. The backends: ``"xla"`` runs the
+reference; ``"pallas"`` the kernel (a GPU is needed); ``"interpret"`` the kernel in Pallas' interpret
+mode (the mailbox's jax-triton kernels have none: the reference); ``"auto"`` the kernel on a GPU
+where the stage's ``auto`` rule prefers it, else the reference. As in tokamax, a kernel raises
+``NotImplementedError`` for a valid request it does not cover: ``"auto"`` falls through to the
+reference, ``"pallas"`` and ``"interpret"`` pass the error on (the planner then runs the reference
+and says why). ``ValueError`` is for bad input only.
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+
+from moe_front_jax.pallas import device
 
 BACKENDS = ("auto", "xla", "pallas", "interpret")
 ALWAYS, NEVER = "always", "never"
@@ -90,10 +91,11 @@ STAGES: dict[str, Stage] = {
 
 class Choice(NamedTuple):
     """What runs a stage: ``run`` takes the stage's arguments; ``kernel`` says whether it is the
-    kernel (in interpret mode or not) rather than the reference."""
+    kernel (in interpret mode or not) rather than the reference; ``why`` is the rule that chose it."""
 
     run: Callable
     kernel: bool
+    why: str = ""
 
 
 def check_backend(backend: str) -> str:
@@ -139,24 +141,34 @@ def choose(name: str, backend: str, *args, **kwargs) -> Choice:
     if name not in STAGES:
         raise ValueError(f"unknown stage {name!r}; stages are {tuple(STAGES)}")
     stage = STAGES[name]
-    reference = Choice(_load(stage.reference), False)
-    if backend == "xla" or (backend == "interpret" and not stage.interprets):
-        return reference
+
+    def reference(why: str) -> Choice:
+        return Choice(load(stage.reference), False, why)
+
+    if backend == "xla":
+        return reference("backend='xla'")
+    if backend == "interpret" and not stage.interprets:
+        return reference("the kernel has no interpret mode")
     if backend == "auto":
-        if not on_gpu() or stage.auto == NEVER:
-            return reference
-        if stage.auto != ALWAYS and not _load(stage.auto)(*args, **kwargs):
-            return reference
+        if not on_gpu():
+            return reference(f"auto on {target_platform()}")
+        if stage.auto == NEVER:
+            return reference("auto never prefers this kernel (registry.STAGES)")
+        if stage.auto != ALWAYS and not load(stage.auto)(*args, **kwargs):
+            table = f"pallas/tuning/{device.kind_folder(device.device_kind())}/auto.json"
+            return reference(f"auto: {table} does not have the kernel faster here")
         try:
             _covers(stage, *args, **kwargs)
-        except NotImplementedError:
-            return reference
+        except NotImplementedError as error:
+            return reference(f"the kernel does not cover this: {error}")
+        why = "auto: always" if stage.auto == ALWAYS else "auto: measured faster (auto table)"
     else:
         _covers(stage, *args, **kwargs)
-    kernel = _load(stage.kernel)
+        why = f"backend={backend!r}"
+    kernel = load(stage.kernel)
     if stage.interprets:
         kernel = functools.partial(kernel, interpret=backend == "interpret")
-    return Choice(kernel, True)
+    return Choice(kernel, True, why)
 
 
 def run(name: str, backend: str, *args, **kwargs):
@@ -165,21 +177,13 @@ def run(name: str, backend: str, *args, **kwargs):
     return choose(name, backend, *args, **kwargs).run(*args, **kwargs)
 
 
-def runs_kernel(name: str, backend: str, *args, **kwargs) -> bool:
-    """Whether stage ``name``'s kernel would run under ``backend`` for these arguments: False where
-    the reference would, and where the kernel does not cover them (no ``NotImplementedError``)."""
-    try:
-        return choose(name, backend, *args, **kwargs).kernel
-    except NotImplementedError:
-        return False
-
-
 def _covers(stage: Stage, *args, **kwargs) -> None:
     if stage.covers is not None:
-        _load(stage.covers)(*args, **kwargs)
+        load(stage.covers)(*args, **kwargs)
 
 
 @functools.cache
-def _load(target: str) -> Callable:
+def load(target: str) -> Callable:
+    """The function a ``"module:function"`` path names, imported when first asked for."""
     module, function = target.split(":")
     return getattr(importlib.import_module(module), function)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import moe_front_jax as mf
-from moe_front_jax import api, reference, registry
+from moe_front_jax import reference, registry
 from moe_front_jax.params import padded_split
 from moe_front_jax.pallas.engine import kernel as ek
 from moe_front_jax.pallas.gemm import mosaic
@@ -433,9 +433,9 @@ def test_moe_front_merged_meets_the_contract(batch):
     weights, cfg = small_params()
     params = mf.pack_params(weights, cfg)
     x = jax.random.normal(jax.random.key(batch), (batch, HIDDEN)).astype(jnp.bfloat16)
-    assert api.merged_front(x, params, "interpret", True)
-    assert not api.merged_front(x, params, "xla", True)
-    assert not api.merged_front(x, params, "auto", True)  # "auto" keeps it off (registry)
+    assert mf.explain(x, params, plan=True, backend="interpret").merged
+    assert not mf.explain(x, params, plan=True, backend="xla").merged
+    assert not mf.explain(x, params, plan=True).merged  # "auto" keeps it off (registry)
     front = jax.jit(mf.moe_front, static_argnames=("plan", "permute", "backend"))
     want = front(x, params, plan=True, permute=True, backend="xla")
     got = front(x, params, plan=True, permute=True, backend="interpret")
@@ -458,7 +458,7 @@ def test_moe_front_merged_through_a_mailbox_keeps_the_direct_bits(plan):
     weights, cfg = small_params()
     params = mf.pack_params(weights, cfg)
     x = jax.random.normal(jax.random.key(11), (6, HIDDEN)).astype(jnp.bfloat16)
-    assert api.merged_front(x, params, "interpret", False)
+    assert mf.explain(x, params, backend="interpret", mailbox=True).merged
     front = jax.jit(mf.moe_front, static_argnames=("plan", "backend"))
     want = front(x, params, plan=plan, backend="interpret")
     got, _ = front(x, params, plan=plan, backend="interpret",
@@ -488,13 +488,15 @@ def test_moe_front_under_tp_stays_unmerged():
 
 def test_moe_front_past_the_engine_takes_the_separate_stages():
     """B = 65 is past the engine's 64 rows: ``"interpret"`` runs the front GEMM and shared expert
-    kernels instead, and ``registry.runs_kernel`` says so without raising."""
+    kernels instead, and the plan says why."""
     weights, cfg = small_params()
     params = mf.pack_params(weights, cfg)
     x = jax.ShapeDtypeStruct((65, HIDDEN), jnp.bfloat16)
-    assert not registry.runs_kernel("front_gate_up", "interpret", x, params.packed, params.split,
-                                    cfg.experts_per_rank, params.gate_up, cfg)
-    assert not api.merged_front(x, params, "interpret", False)
+    front = mf.explain(x, params, backend="interpret")
+    assert not front.merged
+    assert "B <= 64" in front.notes[0]
+    assert [(s.stage, s.kernel) for s in front.steps] == [
+        ("front_gemm", True), ("route", True), ("shared_expert", True)]
     with pytest.raises(NotImplementedError, match="B <= 64"):
         registry.choose("front_gate_up", "interpret", x, params.packed, params.split,
                         cfg.experts_per_rank, params.gate_up, cfg)
