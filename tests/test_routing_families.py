@@ -261,7 +261,7 @@ def test_kernels_refuse_what_they_do_not_compute():
     from moe_front_jax.pallas.shared_expert import triton
 
     logits, bias = jnp.zeros((2, 64), jnp.float32), jnp.zeros((64,), jnp.float32)
-    with pytest.raises(NotImplementedError, match="groups=8, topk_groups=4 runs on backend='xla'"):
+    with pytest.raises(NotImplementedError, match="groups=8, topk_groups=4 runs the reference"):
         route_kernel.covers(logits, bias, GROUPED)
     with pytest.raises(NotImplementedError, match="scoring='softmax'"):
         route_collect.covers(None, None, None, bias[:32], 2, SOFTMAX)
@@ -269,10 +269,31 @@ def test_kernels_refuse_what_they_do_not_compute():
     silu = mf.FrontConfig(hidden=64, experts=64, top_k=8, latent=64, shared=64, activation="silu")
     x = jnp.zeros((2, 64), jnp.bfloat16)
     gate_up, down = jnp.zeros((128, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16)
-    with pytest.raises(NotImplementedError, match="activation='silu' runs on backend='xla'"):
+    with pytest.raises(NotImplementedError, match="activation='silu' runs the reference"):
         triton.covers(x, gate_up, down, silu)
     packed = jnp.zeros((128, 64), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="activation='silu'"):
         engine.covers_front_gate_up(x, packed, 64, 64, gate_up, silu)
-    ids, _ = mf.route(logits, bias, GROUPED, backend="auto")   # the reference, on any machine
+    ids, _ = mf.route(logits, bias, GROUPED, backend="interpret")   # the reference runs
     oracle.assert_valid_ids(np.asarray(ids), 64)
+
+
+def test_fronts_without_a_latent_run_the_reference_on_every_backend():
+    """The front GEMM and the merged front's kernels write a latent: at latent=0 their covers refuse
+    and the reference runs, with the same bits as backend="xla"."""
+    from moe_front_jax.pallas.engine import kernel as engine
+    from moe_front_jax.pallas.front_gemm import kernel as front_gemm
+
+    x, packed = jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="packed has no latent rows"):
+        front_gemm.covers(x, packed, 64, 64)
+    with pytest.raises(NotImplementedError, match="packed has no latent rows"):
+        engine.covers_front_gemm(x, packed, 64, 64)
+    cfg = dataclasses.replace(mf.configs.DEEPSEEK_V3, hidden=128)
+    params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg), cfg)
+    rows = jax.random.normal(jax.random.key(1), (3, 128), jnp.bfloat16)
+    got = mf.moe_front(rows, params, backend="interpret", permute=True)
+    want = mf.moe_front(rows, params, backend="xla", permute=True)
+    for name in ("ids", "weights", "logits", "shared"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
+                                      err_msg=name)

@@ -500,6 +500,10 @@ def _check_front(x, packed, split, valid) -> None:
     for name, value in (("split", split), ("valid", valid)):
         if type(value) is not int:
             raise ValueError(f"{name} must be a static int, got {value!r}")
+    if 0 < valid <= split == packed.shape[0]:
+        raise NotImplementedError(
+            f"packed has no latent rows (split={split} = rows): the engine streams a latent; a "
+            "front without one (latent=0) runs the reference")
     if not 0 < valid <= split < packed.shape[0]:
         raise ValueError(f"need 0 < valid <= split < rows of packed, got valid={valid}, "
                          f"split={split}, rows={packed.shape[0]}")

@@ -601,7 +601,7 @@ def check_plain_routing(cfg: FrontConfig) -> None:
     if cfg.scoring != "sigmoid" or cfg.topk_groups < cfg.groups:
         raise NotImplementedError(
             f"the routing kernel ranks sigmoid + bias over all experts; scoring={cfg.scoring!r} "
-            f"with groups={cfg.groups}, topk_groups={cfg.topk_groups} runs on backend='xla'")
+            f"with groups={cfg.groups}, topk_groups={cfg.topk_groups} runs the reference")
 
 
 def covers(logits, bias, cfg, *, permute: bool = False) -> None:

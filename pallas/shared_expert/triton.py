@@ -365,8 +365,8 @@ def check_situ(cfg: FrontConfig) -> None:
     epilogues compute."""
     if cfg.activation != "situ":
         raise NotImplementedError(
-            f"the shared-expert kernels apply situ; activation={cfg.activation!r} runs on "
-            "backend='xla'")
+            f"the shared-expert kernels apply situ; activation={cfg.activation!r} runs the "
+            "reference")
 
 
 def covers(x, gate_up, down, cfg, out_dtype=jnp.bfloat16) -> None:
