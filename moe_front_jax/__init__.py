@@ -16,6 +16,8 @@ Start::
     out = jax.jit(mf.moe_front)(x, params)             # FrontOutput: ids, weights, latent, ...
 
 Entry points: ``moe_front`` (the whole front of a decode step) and ``route`` (routing alone);
+``configs`` (presets: Kimi-K3, DeepSeek-V3, Kimi-K2, GLM-4.5, Qwen3-30B-A3B, Mixtral-8x7B);
+``layers.MoELayer`` (a whole MoE layer: the front, the routed experts, the shared expert);
 ``explain`` (what a call would run on this device, and why);
 ``nn.MoEFront`` (a Flax NNX module); ``shard_params`` (tensor parallelism over a mesh; or call
 ``moe_front`` with ``axis_name=`` inside your own ``jax.shard_map``); ``Mailbox`` (the Lamport
@@ -31,6 +33,7 @@ import importlib.metadata
 # (``moe_front_jax.pallas.route``) then loads only what it needs, not Flax or safetensors.
 _PUBLIC = {
     "KIMI_K3": "moe_front_jax.config",
+    "configs": None,
     "Dispatch": "moe_front_jax.api",
     "FrontConfig": "moe_front_jax.config",
     "FrontOutput": "moe_front_jax.api",
@@ -39,6 +42,7 @@ _PUBLIC = {
     "Mailbox": "moe_front_jax.mailbox",
     "explain": "moe_front_jax.api",
     "init_weights": "moe_front_jax.params",
+    "layers": None,
     "load_params": "moe_front_jax.checkpoint",
     "load_weights": "moe_front_jax.checkpoint",
     "moe_front": "moe_front_jax.api",

@@ -28,11 +28,11 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.params import (
-    BIAS,
     DEFAULT_SPLIT_ALIGN,
     DOWN,
     GATE_UP,
     FrontParams,
+    bias_of,
     check_param_arrays,
     check_split_align,
     check_weights,
@@ -118,7 +118,7 @@ def shard_params(
     blocks = [rank_slices(weights, cfg, rank, split) for rank in range(tp)]
     arrays = {
         "packed": jnp.concatenate([packed for packed, _, _ in blocks]),
-        "bias": jnp.asarray(weights[BIAS]),
+        "bias": bias_of(weights, cfg),
         "gate_up": None,
         "down": None,
     }

@@ -1,12 +1,13 @@
 """The package's import graph: no cycles, and dependencies that point one way.
 
-Layers, top to bottom: the package's lazy ``__init__``; the API (``nn``; then ``api`` and
-``checkpoint``; then ``parallel`` and ``mailbox``); the plan (``planner``, the one module that decides
-what runs); the stage table (``registry``); the kernels (``pallas``, ``bridge``); the base (``config``,
-``params``, ``reference``). Every edge points to a lower layer; only the kernels and the base import
-within their own layer. An edge is any import of a module of the package: a statement at the top of
-a module or inside a function, a ``"module:function"`` or module-path string (what
-``registry.STAGES``, ``planner`` and the lazy ``moe_front_jax.__init__`` import by ``importlib``).
+Layers, top to bottom: the package's lazy ``__init__``; the API (``nn`` and ``layers``; then ``api``
+and ``checkpoint``; then ``parallel`` and ``mailbox``); the plan (``planner``, the one module that
+decides what runs); the stage table (``registry``); the kernels (``pallas``, ``bridge``); the base
+(``config``, ``configs``, ``params``, ``reference``). Every edge points to a lower layer; only the
+kernels and the base import within their own layer. An edge is any import of a module of the
+package: a statement at the top of a module or inside a function, a ``"module:function"`` or
+module-path string (what ``registry.STAGES``, ``planner`` and the lazy ``moe_front_jax.__init__``
+import by ``importlib``).
 """
 
 import ast
@@ -22,13 +23,14 @@ FOLDERS = {"moe_front_jax": "moe_front_jax", "pallas": "moe_front_jax.pallas",
 MODULE_STRING = re.compile(r"^(moe_front_jax(?:\.\w+)+)(?::\w+)?$")
 LAYERS = (  # top to bottom; a module's layer is the first whose prefixes it matches
     ("package", ("moe_front_jax",), False),
-    ("module", ("moe_front_jax.nn",), False),
+    ("module", ("moe_front_jax.nn", "moe_front_jax.layers"), False),
     ("entry points", ("moe_front_jax.api", "moe_front_jax.checkpoint"), False),
     ("collectives and mailbox", ("moe_front_jax.parallel", "moe_front_jax.mailbox"), False),
     ("plan", ("moe_front_jax.planner",), False),
     ("stage table", ("moe_front_jax.registry",), False),
     ("kernels", ("moe_front_jax.pallas", "moe_front_jax.bridge"), True),
-    ("base", ("moe_front_jax.config", "moe_front_jax.params", "moe_front_jax.reference"), True),
+    ("base", ("moe_front_jax.config", "moe_front_jax.configs", "moe_front_jax.params",
+              "moe_front_jax.reference"), True),
 )
 """(name, module prefixes, whether modules of the layer may import each other)."""
 

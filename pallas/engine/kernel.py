@@ -54,6 +54,7 @@ from moe_front_jax.pallas.gemm.mosaic import (
 )
 from moe_front_jax.pallas.gemm.schedule import FOLD_K, check_matrices
 from moe_front_jax.pallas.plan.kernel import magnitude_bits, to_e4m3
+from moe_front_jax.pallas.shared_expert.triton import check_situ
 
 MAX_BATCH = WGMMA_M
 """Largest batch: wgmma's M, ``x``'s rows as the TMA copy zero-fills them."""
@@ -493,6 +494,10 @@ def _check_front(x, packed, split, valid) -> None:
     for name, value in (("split", split), ("valid", valid)):
         if type(value) is not int:
             raise ValueError(f"{name} must be a static int, got {value!r}")
+    if 0 < valid <= split == packed.shape[0]:
+        raise NotImplementedError(
+            f"packed has no latent rows (split={split} = rows): the engine streams a latent; a "
+            "front without one (latent=0) runs the reference")
     if not 0 < valid <= split < packed.shape[0]:
         raise ValueError(f"need 0 < valid <= split < rows of packed, got valid={valid}, "
                          f"split={split}, rows={packed.shape[0]}")
@@ -549,12 +554,13 @@ def _check_smem(config: EngineConfig, widest: int) -> None:
 def covers_front_gate_up(x, packed, split, valid, gate_up, cfg, *, plan=False, config=None) -> None:
     """Raise ``NotImplementedError`` where ``front_gate_up`` does not cover these arguments (B > 64,
     a region's rows that no CTA cut divides; with ``plan``, latent CTAs not a multiple of
-    ``cfg.plan_block`` rows), ``ValueError`` where they are wrong."""
+    ``cfg.plan_block`` rows; an activation other than situ), ``ValueError`` where they are wrong."""
     _check_config(config)
     _check_front(x, packed, split, valid)
     _check_gate_up(x, gate_up)
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
+    check_situ(cfg)
     _check_depth(x.shape[1], config, "hidden")
     if plan and shard_of(packed, split) % cfg.plan_block:
         raise ValueError(f"the latent shard's {shard_of(packed, split)} rows must be a multiple of "

@@ -445,6 +445,10 @@ def _check(x, packed, split, valid, block) -> None:
     for name, value in (("split", split), ("valid", valid)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{name} must be a static int, got {value!r}")
+    if 0 < valid <= split == rows:
+        raise NotImplementedError(
+            f"packed has no latent rows (split={split} = rows): the kernel writes a latent; a front "
+            "without one (latent=0) runs the reference")
     if not 0 < valid <= split < rows:
         raise ValueError(
             f"need 0 < valid <= split < rows of packed, got valid={valid}, split={split}, rows={rows}"

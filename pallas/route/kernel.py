@@ -590,11 +590,21 @@ def _check_permute_rows(batch: int) -> None:
             f"B={batch}; use backend='xla'")
 
 
+def check_plain_routing(cfg: FrontConfig) -> None:
+    """Raise ``NotImplementedError`` for routing beyond SPEC section 4's steps: expert groups that
+    drop some (4.2) or softmax scoring (4.3), which the kernel does not rank."""
+    if cfg.scoring != "sigmoid" or cfg.topk_groups < cfg.groups:
+        raise NotImplementedError(
+            f"the routing kernel ranks sigmoid + bias over all experts; scoring={cfg.scoring!r} "
+            f"with groups={cfg.groups}, topk_groups={cfg.topk_groups} runs the reference")
+
+
 def covers(logits, bias, cfg, *, permute: bool = False) -> None:
     """Raise ``NotImplementedError`` where the kernel does not cover these arguments (more than
-    ``MAX_LANES`` experts; with ``permute``, more than ``MAX_PERMUTE_ROWS`` rows), ``ValueError``
-    where they are wrong."""
+    ``MAX_LANES`` experts; groups or softmax, ``check_plain_routing``; with ``permute``, more than
+    ``MAX_PERMUTE_ROWS`` rows), ``ValueError`` where they are wrong."""
     _check(logits, bias, cfg)
+    check_plain_routing(cfg)
     if permute:
         _check_permute_rows(logits.shape[0])
 

@@ -201,7 +201,9 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
 
 def covers(buffer, control, status, bias, batch, cfg, *, with_plan: bool = False) -> None:
     """Raise ``NotImplementedError`` where the kernel does not cover this request: more than
-    ``route.MAX_LANES`` experts, or ``with_plan`` with a plan block it does not fuse."""
+    ``route.MAX_LANES`` experts, groups or softmax (``route.check_plain_routing``), or
+    ``with_plan`` with a plan block it does not fuse."""
+    rt.check_plain_routing(cfg)
     if rt.next_power_of_2(cfg.experts) > rt.MAX_LANES:
         raise NotImplementedError(
             f"route_collect holds up to {rt.MAX_LANES} experts a row, got experts={cfg.experts}")

@@ -122,10 +122,12 @@ def auto_prefers_kernel(x, gate_up, down, cfg, out_dtype=jnp.bfloat16) -> bool:
 
 def covers(x, gate_up, down, cfg, out_dtype=jnp.bfloat16) -> None:
     """Raise ``NotImplementedError`` where the kernels do not cover these arguments (``B > 256``, H
-    or S_r not a multiple of 16), ``ValueError`` where they are wrong."""
+    or S_r not a multiple of 16, an activation other than situ), ``ValueError`` where they are
+    wrong."""
     schedule.check_matrices(x=x, gate_up=gate_up, down=down)
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
+    triton.check_situ(cfg)
     (batch, hidden), (two_s, gu_hidden) = x.shape, gate_up.shape
     if gu_hidden != hidden or two_s == 0 or two_s % 2:
         raise ValueError(

@@ -233,3 +233,12 @@ def down_proj_t(
         hidden_t = jnp.pad(hidden_t, ((0, 0), (0, tile - hidden_t.shape[1])))
     return _gemm(hidden_t, down, down.shape[0], jnp.dtype(out_dtype), config, None, interpret,
                  "shared_down", batch_t=batch)
+
+
+def check_situ(cfg: FrontConfig) -> None:
+    """Raise ``NotImplementedError`` unless the shared expert's activation is ``situ``, the one its
+    epilogues compute."""
+    if cfg.activation != "situ":
+        raise NotImplementedError(
+            f"the shared-expert kernels apply situ; activation={cfg.activation!r} runs the "
+            "reference")
