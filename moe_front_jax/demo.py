@@ -156,6 +156,9 @@ def main(argv=None) -> int:
     model = DecodeModel(cfg, args.backend, nnx.Rngs(0))
     jax.block_until_ready(nnx.state(model))
     print(f"{time.perf_counter() - start:.1f} s", flush=True)
+    # What a step's front runs on this machine, and why (the plan at the first batch size).
+    print(mf.explain((args.batch[0], cfg.hidden), model.front.front_params(), plan=True,
+                     backend=args.backend), flush=True)
     bias = model.front.bias[...]
     # graph_updates=False: the step updates no Variable, so none comes back. Graph-mode nnx.jit would
     # return every Param of the model and XLA copy each one into a fresh buffer per step.

@@ -2,6 +2,7 @@
 ``examples/decode.py``, ``make demo`` and the ``moe-front-demo`` console script)."""
 
 import importlib.util
+import re
 from pathlib import Path
 
 import jax
@@ -26,6 +27,9 @@ def test_decode_steps_print_a_progress_line_each_and_hold_the_invariants(capsys)
     assert example.main is demo.main
     assert example.main(["--small", "--batch", "3", "--steps", "2", "--backend", "xla"]) == 0
     out = capsys.readouterr().out
+    assert "moe_front plan: one device, B=3, backend='xla'" in out  # the plan, printed once
+    assert re.search(r"^1  front_gemm +reference\.gemm\.front_gemm +backend='xla'$", out, re.M), out
+    assert out.count("moe_front plan:") == 1
     assert "B=3: 2 decode steps" in out
     steps = [line.strip() for line in out.splitlines() if line.strip().startswith("step ")]
     assert [line.split()[1] for line in steps] == ["1/2:", "2/2:"]
