@@ -33,7 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from moe_front_jax import reference
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.pallas.gemm.mosaic import await_inputs
-from moe_front_jax.pallas.route.kernel import NAN_KEY, PAD_KEY
+from moe_front_jax.pallas.route.kernel import NAN_KEY, PAD_KEY, _check, _check_ids
 
 LANES = 32
 """Experts a warp's lanes hold side by side: ``route`` needs ``E`` a multiple of it."""
@@ -200,19 +200,11 @@ def permute_bytes(batch: int, experts: int, top_k: int) -> int:
     return 4 * padded * (_chunks(padded) + experts // BLOCK) + 12 * slots + 4 * experts
 
 
-def _check_cfg(cfg) -> None:
-    if not isinstance(cfg, FrontConfig):
-        raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
-
-
 def covers(logits, bias, cfg, *, permute: bool = False) -> None:
     """Raise ``ValueError`` for wrong arguments (``kernel.covers``' checks), ``NotImplementedError``
     where ``route`` does not cover them: ``E`` not a multiple of 32 (of 64 with ``permute``), or
     ``permute`` past ``MAX_PERMUTE_ROWS`` rows."""
-    _check_cfg(cfg)
-    from moe_front_jax.pallas.route.kernel import covers as triton_covers  # the shared checks
-
-    triton_covers(logits, bias, cfg)
+    _check(logits, bias, cfg)
     if cfg.experts % LANES:
         raise NotImplementedError(
             f"the Mosaic GPU routing kernel holds experts in runs of {LANES} lanes: experts="
@@ -235,14 +227,8 @@ def _check_permutation(batch: int, cfg: FrontConfig) -> None:
 def covers_permutation(ids, cfg) -> None:
     """``permutation``'s ``covers``: ``ValueError`` for ids that are not ``[B, K]`` int32,
     ``NotImplementedError`` past ``MAX_PERMUTE_ROWS`` rows or for ``E`` not a multiple of 64."""
-    _check_cfg(cfg)
-    shape = getattr(ids, "shape", None)
-    if shape is None or len(shape) != 2 or shape[1] != cfg.top_k or ids.dtype != jnp.int32:
-        raise ValueError(
-            f"ids must be [B, top_k={cfg.top_k}] int32, got {shape} {getattr(ids, 'dtype', None)}")
-    if shape[0] == 0:
-        raise ValueError(f"ids is an empty batch (shape {tuple(shape)}); B must be >= 1")
-    _check_permutation(shape[0], cfg)
+    _check_ids(ids, cfg)
+    _check_permutation(ids.shape[0], cfg)
 
 
 def _no_barriers():
