@@ -101,14 +101,15 @@ def _route_kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, cfg, interpret)
     x = plgpu.load(logits_ref.at[row], layout=ROW, optimized=False)
     b = plgpu.load(bias_ref, layout=ROW, optimized=False)
     keys = _ordered(_sigmoid(x, interpret) + b)
-    lane = plgpu.broadcasted_iota(jnp.int32, (experts,), 0, layout=ROW)
+    # Experts numbered from the top, so that a max reduction finds the lowest expert of a tie.
+    rev = (experts - 1) - plgpu.broadcasted_iota(jnp.int32, (experts,), 0, layout=ROW)
     chosen = []
     for r in range(k):
         top = jnp.max(keys)
-        best = -jnp.max(jnp.where(keys == top, -lane, -experts))  # ties: the lower expert
-        chosen.append(best)
+        best = jnp.max(jnp.where(keys == top, rev, -1))
+        chosen.append((experts - 1) - best)
         if r + 1 < k:
-            keys = jnp.where(lane == best, jnp.int32(PAD_KEY), keys)
+            keys = jnp.where(rev == best, jnp.int32(PAD_KEY), keys)
     # The chosen logits again (scalar loads, L1 hits): the sigmoids the keys were made of.
     scores = [_sigmoid(logits_ref[row, e], interpret) for e in chosen]
     w = [jnp.where(s != s, jnp.float32(0), s) for s in scores]
