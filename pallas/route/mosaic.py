@@ -1,22 +1,25 @@
 """Exact top-k routing (SPEC section 4) and the dispatch order (SPEC 4.1) as Mosaic GPU kernels.
 
-``route``: one CTA per row of ``logits`` ``[B, E]`` (a grid of B), each of its four warps holding the
-whole row, ``E / 32`` keys a thread (``ROW``), so that every reduction stays in a warp (``redux.sync``)
-and yields a value that every thread holds: a scalar. The keys are ``kernel.ordered_keys``' int32
-(NaN above only the experts already chosen). ``top_k`` rounds of two max reductions: the largest key,
-then the lowest expert holding it (the max of ``-lane``), which is masked out. Why: Mosaic GPU in jax
-0.11.2 has no argmax, sort, cumsum, gather or popcount, but it has max reductions and scalar loads
-and stores at any index. The chosen logits are loaded again by scalar loads; their sigmoids, the
-tree sum and the correctly rounded division run on scalars, as ``reference.routing_weights``.
+``route``: one CTA per row of ``logits`` ``[B, E]``, each of its four warps holding the whole row,
+``E / 32`` keys a thread (``ROW``), so that every reduction stays in a warp (``redux.sync``) and
+gives every thread the same value: a scalar. Keys: ``kernel.ordered_keys``' int32 (NaN above only
+the experts already chosen). ``top_k`` rounds of two max reductions: the largest key, then the lowest
+expert holding it, which is masked out. Why: Mosaic GPU in jax 0.11.2 has no argmax, sort, cumsum,
+gather or popcount, but it lowers max reductions over a register layout and scalar loads and stores
+at any index. The chosen logits are loaded again (scalar loads); their sigmoids, the tree sum and
+the correctly rounded division (``arith.divf``) run on scalars, as ``reference.routing_weights``.
 
-``permutation``: a second launch. Slot ``s``'s position is its rank among ``key = id * S' + s``;
-``group_sizes`` are counts. Both are ``[64, 64]`` comparisons summed (the wgmma register layout)
-over every slot, one CTA per 64 slots (their ranks, ``inverse``; ``order[inverse[s]] = s`` by scalar
-stores) or per 64 experts (their counts). Integers only: ``reference.routing.permutation``'s bits.
+``permutation``, a second launch (a grid-wide hand-off in one launch needs semaphores, which Mosaic
+GPU's interpret mode does not run): slot ``s``'s position is its rank among ``id * S' + s``, each
+expert's group size a count; both are ``[64, 64]`` comparisons (the wgmma register layout) summed
+over every slot, by one CTA per 64 slots (their ranks, ``inverse``; ``order[inverse[s]] = s`` by
+scalar stores) or per 64 experts. Integers only: ``reference.routing.permutation``'s bits.
 
-Bytes (``route_bytes``, ``permute_bytes``): ``4BE + 4E`` read, ``10BK`` written (3.6 KB a K3 row);
-the order reads every id once per 64 slots or experts (L2): ``4S'(S'/64 + E/64)`` plus ``12S + 4E``
-written, ``S = BK``, ``S' = max(S, 64)``. Comparisons: ``S'(S' + E)``. Launch-bound at B <= 64.
+Cost: ``route_bytes`` ``= 4BE + 4E + 10BK`` (7.3 KB at B = 1, 243 KB at 64, K3), ``E B K`` key
+comparisons in ``2K`` dependent warp reductions a row; ``permute_bytes`` ``= 4S'(S'/64 + E/64) +
+12S + 4E`` from L2 (``S = BK``, ``S' = max(S, 64)``; 7.6 KB at B = 1, 139 KB at 64, 1.3 MB at
+256) and ``S'(S' + E)`` comparisons: quadratic in B. Latency-bound; measured in
+``benchmarks/bench_route.py`` beside the Triton kernel.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def _barrier() -> None:
 
 
 def interpret_params(interpret: bool):
+    """Mosaic GPU's interpret mode where ``interpret`` (``_barrier`` left out), else None."""
     return plgpu.InterpretGPUParams(inline_mgpu="ignore") if interpret else None
 
 
@@ -240,22 +244,19 @@ def _no_barriers():
 
 def route(logits: jax.Array, bias: jax.Array, cfg: FrontConfig, *, interpret: bool = False,
           permute: bool = False) -> tuple[jax.Array, ...]:
-    """Exact top-k routing by sigmoid + correction bias (SPEC section 4), one Mosaic GPU launch (two
-    with ``permute``).
+    """Exact top-k routing by sigmoid + correction bias (SPEC section 4), one Mosaic GPU launch.
 
     Args:
       logits: ``[B, E]`` float32 router logits, ``B >= 1``, ``E`` a multiple of 32.
       bias: ``[E]`` float32 correction bias.
       cfg: supplies ``experts``, ``top_k``, ``routed_scaling_factor`` and ``renormalize``.
       interpret: run in Mosaic GPU's interpret mode (any machine).
-      permute: also return the dispatch order of SPEC section 4.1 (``permutation``; static).
+      permute: also return the dispatch order of SPEC 4.1 (``permutation``, a second launch).
 
-    Returns:
-      ``ids`` ``[B, K]`` int32 and ``weights`` ``[B, K]`` bfloat16, as ``reference.route``; with
-      ``permute``, then ``order`` ``[B K]``, ``group_sizes`` ``[E]``, ``inverse`` ``[B K]`` int32.
-
-    Raises:
-      ValueError: wrong shapes or dtypes, an empty batch. NotImplementedError: ``covers``.
+    Returns ``ids`` ``[B, K]`` int32 and ``weights`` ``[B, K]`` bfloat16, as ``reference.route``;
+    with ``permute``, then ``order`` ``[B K]``, ``group_sizes`` ``[E]``, ``inverse`` ``[B K]`` int32.
+    Raises ``ValueError`` for wrong shapes or dtypes or an empty batch, ``NotImplementedError``
+    where ``covers`` says.
     """
     covers(logits, bias, cfg, permute=permute)
     batch, k = logits.shape[0], cfg.top_k
