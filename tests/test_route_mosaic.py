@@ -121,6 +121,23 @@ def test_zero_signs_and_nan_and_infinite_biases():
     assert (weights[0].astype(np.float32) > 0).all()
 
 
+def test_winners_held_by_one_lane():
+    """The 16 winners in one lane's registers (experts 32 j + c): that lane refills its cache every
+    third round; with ties between its keys and other lanes' and across the cut."""
+    logits = np.zeros((4, K3.experts), np.float32)
+    logits[0, 0::32] = np.linspace(5.0, 2.0, 28)
+    logits[1, 31::32] = 3.0  # 28 bit-equal winners in lane 31: the lowest 16 of them
+    logits[2, 5::32] = 3.0
+    logits[2, [6, 900 - 32 * 2]] = 3.0  # two more, in other lanes, tie with lane 5's
+    logits[3, 0::32] = 4.0
+    logits[3, 1] = 4.0
+    ids, _ = check(logits, np.zeros(K3.experts))
+    np.testing.assert_array_equal(ids[0], np.arange(16) * 32)
+    np.testing.assert_array_equal(ids[1], np.arange(16) * 32 + 31)
+    np.testing.assert_array_equal(ids[2], np.sort(np.r_[np.arange(28) * 32 + 5, 6, 836])[:16])
+    np.testing.assert_array_equal(ids[3], np.sort(np.r_[np.arange(28) * 32, 1])[:16])
+
+
 @pytest.mark.parametrize("direction", [1, -1])
 def test_bias_makes_every_key_negative(direction):
     logits = np.zeros((2, K3.experts), np.float32)

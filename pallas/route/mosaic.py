@@ -1,13 +1,16 @@
 """Exact top-k routing (SPEC section 4) and the dispatch order (SPEC 4.1) as Mosaic GPU kernels.
 
 ``route``: one CTA per row of ``logits`` ``[B, E]``, each of its four warps holding the whole row,
-``E / 32`` keys a thread (``ROW``), so that every reduction stays in a warp (``redux.sync``) and
-gives every thread the same value: a scalar. Keys: ``kernel.ordered_keys``' int32 (NaN above only
-the experts already chosen). ``top_k`` rounds of two max reductions: the largest key, then the lowest
-expert holding it, which is masked out. Why: Mosaic GPU in jax 0.11.2 has no argmax, sort, cumsum,
-gather or popcount, but it lowers max reductions over a register layout and scalar loads and stores
-at any index. The chosen logits are loaded again (scalar loads); their sigmoids, the tree sum and
-the correctly rounded division (``arith.divf``) run on scalars, as ``reference.routing_weights``.
+``E / 32`` keys a lane (``ROW``), so that every reduction stays in a warp (``redux.sync``) and gives
+every thread the same value: a scalar. Keys: ``kernel.ordered_keys``' int32. Each lane caches its
+best ``CACHED`` (key, expert) pairs; a round takes the top by two one-register max reductions (the
+key, then the lowest expert holding it) and moves the winning lane's cache up; a lane that wins with
+nothing cached behind it refills from its keys ranked below the one just chosen (under a
+``lax.cond`` on a reduced flag): 0.31 times a random row, every third round where one lane holds all
+the winners. Why: Mosaic GPU in jax 0.11.2 has no argmax, sort, cumsum, gather or popcount, but it
+lowers max reductions over a register layout, ``lax.cond`` on a scalar, scalar loads and stores at
+any index. The chosen logits are loaded again; their sigmoids, the tree sum and the correctly
+rounded division (``arith.divf``) run on scalars, as ``reference.routing_weights``.
 
 ``permutation``, a second launch (a grid-wide hand-off in one launch needs semaphores, which Mosaic
 GPU's interpret mode does not run): slot ``s``'s position is its rank among ``id * S' + s``, each
@@ -15,11 +18,11 @@ expert's group size a count; both are ``[64, 64]`` comparisons (the wgmma regist
 over every slot, by one CTA per 64 slots (their ranks, ``inverse``; ``order[inverse[s]] = s`` by
 scalar stores) or per 64 experts. Integers only: ``reference.routing.permutation``'s bits.
 
-Cost: ``route_bytes`` ``= 4BE + 4E + 10BK`` (7.3 KB at B = 1, 243 KB at 64, K3), ``E B K`` key
-comparisons in ``2K`` dependent warp reductions a row; ``permute_bytes`` ``= 4S'(S'/64 + E/64) +
-12S + 4E`` from L2 (``S = BK``, ``S' = max(S, 64)``; 7.6 KB at B = 1, 139 KB at 64, 1.3 MB at
-256) and ``S'(S' + E)`` comparisons: quadratic in B. Latency-bound; measured in
-``benchmarks/bench_route.py`` beside the Triton kernel.
+Cost: ``route_bytes`` ``= 4BE + 4E + 10BK`` (7.3 KB at B = 1, 243 KB at 64, K3); a row takes ``3K``
+one-register warp reductions (two dependent a round) and ``2 CACHED`` passes over its keys per fill.
+``permute_bytes`` ``= 4S'(S'/64 + E/64) + 12S + 4E`` from L2 (``S = BK``, ``S' = max(S, 64)``; 7.6
+KB at B = 1, 139 KB at 64, 1.3 MB at 256) and ``S'(S' + E)`` comparisons: quadratic in B.
+Latency-bound; measured in ``benchmarks/bench_route.py`` beside the Triton kernel.
 """
 
 from __future__ import annotations
@@ -46,9 +49,16 @@ rows and columns of a wgmma-layout ``[64, 64]`` tile. ``permutation`` needs ``E`
 MAX_PERMUTE_ROWS = 256
 """Largest batch whose dispatch order ``permutation`` writes: its comparisons grow as ``(B K)^2``."""
 
-ROW = plgpu.Layout.TILED(plgpu.Tiling(((LANES,), (1,))), warp_dims=(plgpu.Replicated(4),),
+ROW = plgpu.Layout.TILED(plgpu.Tiling(((1, LANES), (1,))), warp_dims=(plgpu.Replicated(4),),
                          lane_dims=(-2,), vector_dim=-1)
-"""A row of ``E`` experts: expert ``32 j + lane`` in register ``j`` of every warp's lane ``lane``."""
+"""A row of ``E`` experts as ``[E / 32, 32]``: expert ``32 j + lane`` in register ``j`` of every
+warp's lane ``lane``."""
+LANE = ROW.reduce(0)
+"""One value a lane (``[32]``), as a reduction over a lane's registers leaves it."""
+CACHED = 3
+"""Keys each lane of ``route`` keeps sorted in registers. Of 20,000 random normal K3 rows, a cache
+of 2 is refilled 2.5 times a row on average (2% of rows never), of 3 0.31 times (71% never), of
+4 0.03 times; each refill or fill costs two passes over a lane's keys per cached key."""
 EVERY = plgpu.Layout.TILED(plgpu.Tiling(((1,),)), warp_dims=(plgpu.Replicated(4),),
                            lane_dims=(plgpu.Replicated(32),), vector_dim=-1)
 """A short vector (a row's ``top_k`` ids or weights) that every thread holds whole."""
@@ -105,17 +115,43 @@ def _route_kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, cfg, interpret)
     x = plgpu.load(logits_ref.at[row], layout=ROW, optimized=False)
     b = plgpu.load(bias_ref, layout=ROW, optimized=False)
     keys = _ordered(_sigmoid(x, interpret) + b)
+    shape = keys.shape
     # Experts numbered from the top, so that a max reduction finds the lowest expert of a tie.
-    rev = (experts - 1) - plgpu.broadcasted_iota(jnp.int32, (experts,), 0, layout=ROW)
+    rev = (experts - 1) - (plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=ROW) * LANES
+                           + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=ROW))
+    wide = lambda lane_values: plgpu.layout_cast(
+        jnp.broadcast_to(lane_values[None, :], shape), ROW)
+    pad = jnp.int32(PAD_KEY)
+
+    def best(valid):
+        """Each lane's ``CACHED`` best keys among ``valid`` and their experts, best first, as
+        ``LANE`` vectors (``PAD_KEY`` and -1 where a lane has no more)."""
+        cache = []
+        for _ in range(CACHED):
+            key = jnp.max(jnp.where(valid, keys, pad), axis=0)
+            expert = jnp.max(jnp.where(valid & (keys == wide(key)), rev, -1), axis=0)
+            cache += [key, expert]
+            valid = valid & (rev != wide(expert))
+        return tuple(cache)
+
+    cache = best(keys > pad)
     chosen = []
     for r in range(k):
-        top = jnp.max(keys)
-        best = jnp.max(jnp.where(keys == top, rev, -1))
-        chosen.append((experts - 1) - best)
+        top = jnp.max(cache[0])
+        winner = jnp.max(jnp.where(cache[0] == top, cache[1], -1))
+        # A lane holding the top with nothing cached behind it: after this round it looks again.
+        stale = jnp.max(jnp.where((cache[0] == top) & (cache[2] == pad), 1, 0))
+        chosen.append((experts - 1) - winner)
+        won = cache[1] == winner
+        cache = tuple(jnp.where(won, behind, held) for held, behind in
+                      zip(cache, cache[2:] + (pad, jnp.int32(-1))))
         if r + 1 < k:
-            keys = jnp.where(rev == best, jnp.int32(PAD_KEY), keys)
+            # The experts not chosen yet: those ranked below the one just chosen.
+            below = (keys < top) | ((keys == top) & (rev < winner))
+            cache = lax.cond(stale > 0, lambda below=below: best(below),
+                             lambda cache=cache: cache)
     # The chosen logits again (scalar loads, L1 hits): the sigmoids the keys were made of.
-    scores = [_sigmoid(logits_ref[row, e], interpret) for e in chosen]
+    scores = [_sigmoid(logits_ref[row, e // LANES, e % LANES], interpret) for e in chosen]
     w = [jnp.where(s != s, jnp.float32(0), s) for s in scores]
     scale = jnp.float32(cfg.routed_scaling_factor)
     if cfg.renormalize:
@@ -266,7 +302,7 @@ def route(logits: jax.Array, bias: jax.Array, cfg: FrontConfig, *, interpret: bo
                   jax.ShapeDtypeStruct((batch, k), jnp.bfloat16)),
         grid=(batch,), grid_names=("row",), compiler_params=_no_barriers(),
         interpret=interpret_params(interpret), kernel_name="route_mosaic",
-    )(logits, bias)
+    )(logits.reshape(batch, -1, LANES), bias.reshape(-1, LANES))
     if not permute:
         return ids, weights
     return (ids, weights, *permutation(ids, cfg, interpret=interpret))
