@@ -4,8 +4,7 @@
 
 For tp in {1, 2, 4, 8} and B in {1, 2, 4, 8, 16, 32, 64, 128, 256} (every power of
 two, so that ``auto_table.py`` can decide every key): the kernel (tuning-table schedule),
-the kernel with the MXFP8 plan from its epilogue, the streaming engine's front GEMM
-(``pallas.engine.front_gemm``, B <= 64), XLA's ``dot_general`` over the packed weight, and
+the kernel with the MXFP8 plan from its epilogue, XLA's ``dot_general`` over the packed weight, and
 the XLA reference stage (dot, slice, cast); effective TB/s over the weight bytes the kernel reads,
 the floor at the measured read ceiling, and the ratio XLA / kernel. Then the whole front at tp1
 (front GEMM + routing inside one jit) against the GEMM alone. The table prints last; the full results
@@ -26,7 +25,6 @@ import jax.numpy as jnp
 
 import moe_front_jax as mf
 from moe_front_jax import registry, reference
-from moe_front_jax.pallas import engine
 from moe_front_jax.pallas import front_gemm as fg
 from timing import (
     READ_CEILING_TBS, FrontShape, cupti_us_per_call, packed_weights, rows, tbs, xla_dot,
@@ -43,7 +41,7 @@ def plot_rows(rows: list[dict], shapes: dict[int, FrontShape]) -> list[dict]:
         dict(stage="front_gemm", backend=backend, tp=r["tp"], batch=r["batch"], time_us=r[key],
              bytes=shapes[r["tp"]].weight_bytes)
         for r in rows
-        for backend, key in (("pallas", "us"), ("engine", "engine_us"), ("xla", "xla_dot_us"))
+        for backend, key in (("pallas", "us"), ("xla", "xla_dot_us"))
         if r[key] is not None
     ]
 
@@ -72,12 +70,10 @@ def main() -> None:
     variants = {
         "us": lambda s: lambda x, w: fg.front_gemm(x, w, s.split, s.valid),
         "plan_us": lambda s: lambda x, w: fg.front_gemm_plan(x, w, s.split, s.valid),
-        "engine_us": lambda s: lambda x, w: engine.front_gemm(x, w, s.split, s.valid),
         "xla_dot_us": lambda s: xla_dot,
         "xla_stage_us": lambda s: lambda x, w: reference.front_gemm(x, w, s.split, s.valid),
     }
-    keys = [(tp, batch, name) for tp in tps for batch in batches for name in variants
-            if name != "engine_us" or batch <= 64]
+    keys = [(tp, batch, name) for tp in tps for batch in batches for name in variants]
     failed = {}
 
     def compile_one(key):
@@ -97,8 +93,9 @@ def main() -> None:
     for tp in tps:
         shape = shapes[tp]
         for batch in batches:
+            selection = fg.select(shape.valid, shape.shard, shape.hidden, batch)
             row = dict(tp=tp, batch=batch, floor_us=shape.floor_us(),
-                       config=str(fg.pick_config(shape.valid, shape.shard, shape.hidden, batch)))
+                       implementation=selection.implementation, config=str(selection.config))
             for name in variants:
                 if compiled.get((tp, batch, name)) is None:
                     row[name], row[name.replace("us", "kernels")] = None, None
@@ -137,14 +134,13 @@ def main() -> None:
         json.dump(dict(device=device.device_kind, rows=plot_rows(timed, shapes), floors=FLOORS,
                        gemm=timed, front=fronts, failed=failed), f, indent=1)
     print(f"\n{'tp':>3} {'B':>4} {'kernel':>8} {'TB/s':>6} {'floor':>6} {'x floor':>7} "
-          f"{'+plan':>7} {'engine':>8} {'xla dot':>8} {'xla/k':>6} {'xla/eng':>7} {'xla stage':>9}   (us)")
+          f"{'+plan':>7} {'xla dot':>8} {'xla/k':>6} {'xla stage':>9}   (us)")
     for r in timed:
         us, dot = r["us"], r["xla_dot_us"]
         plan = r["plan_us"] - us if r["plan_us"] is not None and us is not None else None
         print(f"{r['tp']:>3} {r['batch']:>4} {fmt(us)} {fmt(r['tbs'], 6)} {r['floor_us']:>6.2f} "
-              f"{fmt(ratio(us, r['floor_us']), 7)} {fmt(plan, 7, '+')} {fmt(r['engine_us'])} "
-              f"{fmt(dot)} {fmt(ratio(dot, us), 6)} {fmt(ratio(dot, r['engine_us']), 7)} "
-              f"{fmt(r['xla_stage_us'], 9)}")
+              f"{fmt(ratio(us, r['floor_us']), 7)} {fmt(plan, 7, '+')} "
+              f"{fmt(dot)} {fmt(ratio(dot, us), 6)} {fmt(r['xla_stage_us'], 9)}")
     print(f"\nwhole front at tp1 (GEMM + route: {route_name})")
     for r in fronts:
         times = f"{r['us'] / r['gemm_us']:.2f}x the GEMM" if r["gemm_us"] else ""

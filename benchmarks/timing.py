@@ -28,12 +28,12 @@ from jax import lax
 
 import moe_front_jax as mf
 from moe_front_jax import params as mfp
+from moe_front_jax.pallas import device
 
 ROTATION_BYTES = 256 << 20
 """Weight copies per shape add up to at least this (over 4x the L2)."""
-READ_CEILING_TBS = 4.65
-"""Measured HBM read ceiling of the H200 (a bfloat16 sum over 2 GiB, 2026-12-02): the floor is the
-weight bytes over it."""
+READ_CEILING_TBS = device.READ_CEILING_TBS
+"""The floor is the weight bytes over this (a bfloat16 sum over 2 GiB on the H200, 2026-12-02)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +160,13 @@ def cupti_us_per_kernel(fn, x, weights, rounds: int = 2, attempts: int = 3
 TUNE_SMEM_BUDGET = 200 * 1024
 """The tuners' candidates keep their pipeline buffers under this (a Hopper SM has 227 KiB of shared
 memory)."""
+
+
+def config_label(config: dict) -> str:
+    """A tuning-table config (``gemm.schedule.config_to_json``'s form) in one short line: its
+    implementation, then its fields."""
+    fields = " ".join(f"{k}={v}" for k, v in config.items() if k != "implementation")
+    return f"{config.get('implementation')} {fields}"
 
 
 def divisors(n: int) -> list[int]:

@@ -2,13 +2,13 @@
 past the L2).
 
   python3 benchmarks/tune_engine.py --out $OUT [--tps 1,8] [--batches 8,64] \
-      [--launches front,merged,down] [--budget-s 240]
+      [--launches merged,down] [--budget-s 240]
 
-For each launch (``front``: ``engine.front_gemm``; ``merged``: ``engine.front_gate_up`` with
-the plan; ``down``: ``engine.down`` into bfloat16), tp and B: the heuristic's ``EngineConfig``,
+For each launch (``merged``: ``engine.front_gate_up`` with the plan; ``down``: ``engine.down`` into
+bfloat16), tp and B: the heuristic's ``EngineConfig``,
 then every config one field away from it that the launch takes (a region's CTA rows over the cuts
 that divide its rows; ``block_k`` with each ring depth from 2 to 6; ``pad_x`` flipped). Each is
-checked first (front and merged: the logits and latent against the float64 contract; down: within
+checked first (merged: the logits and latent against the float64 contract; down: within
 2 bfloat16 ulps of float64 at ``max(|y|, the row's RMS)``), then timed. The engine reads no table:
 this says whether ``heuristic_config``'s model picks well, and by how much the best cut beats it.
 A config that fails to compile or to check is listed and the run goes on; cases past
@@ -37,7 +37,7 @@ from timing import (
     gate_up_copies, packed_weights, rows, tbs,
 )
 
-LAUNCHES = ("front", "merged", "down")
+LAUNCHES = ("merged", "down")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +63,9 @@ class Case:
         plan = s.cfg.plan_block
         if self.launch == "down":
             return {"down_rows": (f.hidden, ek.MAX_ROWS, ek.ROW_STEP)}
-        out = {"router_rows": (f.valid, ek.MAX_ROWS, ek.ROW_STEP),
-               "latent_rows": (f.shard, ek.MAX_ROWS, plan if self.launch == "merged" else ek.ROW_STEP)}
-        if self.launch == "merged":
-            out["gate_up_rows"] = (s.shared, ek.MAX_PAIR_ROWS, ek.ROW_STEP)
-        return out
+        return {"router_rows": (f.valid, ek.MAX_ROWS, ek.ROW_STEP),
+                "latent_rows": (f.shard, ek.MAX_ROWS, plan),
+                "gate_up_rows": (s.shared, ek.MAX_PAIR_ROWS, ek.ROW_STEP)}
 
     @property
     def depth(self) -> int:
@@ -77,17 +75,15 @@ class Case:
     def weight_bytes(self) -> int:
         if self.launch == "down":
             return self.shared.down_bytes
-        return self.front.weight_bytes + (self.shared.gate_up_bytes if self.launch == "merged" else 0)
+        return self.front.weight_bytes + self.shared.gate_up_bytes
 
     def heuristic(self) -> engine.EngineConfig:
         f, s = self.front, self.shared
         if self.launch == "down":
             return engine.heuristic_config(s.shared, down=f.hidden, cores=core_count())
-        merged = self.launch == "merged"
         return engine.heuristic_config(
-            f.hidden, router=f.valid, latent=f.shard,
-            gate_up=s.shared if merged else 0, plan_block=s.cfg.plan_block if merged else 0,
-            cores=core_count())
+            f.hidden, router=f.valid, latent=f.shard, gate_up=s.shared,
+            plan_block=s.cfg.plan_block, cores=core_count())
 
 
 def _widest(case: Case, config: engine.EngineConfig) -> int:
@@ -104,12 +100,9 @@ def _fits(case: Case, config: engine.EngineConfig) -> bool:
                                config=config)
         else:
             packed = jax.ShapeDtypeStruct((f.rows, f.hidden), jnp.bfloat16)
-            if case.launch == "front":
-                engine.covers_front_gemm(x, packed, f.split, f.valid, config=config)
-            else:
-                gate_up = jax.ShapeDtypeStruct((2 * s.shared, f.hidden), jnp.bfloat16)
-                engine.covers_front_gate_up(x, packed, f.split, f.valid, gate_up, s.cfg, plan=True,
-                                            config=config)
+            gate_up = jax.ShapeDtypeStruct((2 * s.shared, f.hidden), jnp.bfloat16)
+            engine.covers_front_gate_up(x, packed, f.split, f.valid, gate_up, s.cfg, plan=True,
+                                        config=config)
     except (ValueError, NotImplementedError):
         return False
     return True
@@ -136,8 +129,6 @@ def neighbours(case: Case, base: engine.EngineConfig) -> list[engine.EngineConfi
 
 def launch_fn(case: Case, config: engine.EngineConfig):
     f, s = case.front, case.shared
-    if case.launch == "front":
-        return lambda x, w: engine.front_gemm(x, w, f.split, f.valid, config=config)
     if case.launch == "merged":
         def merged(x, ws):
             packed, gate_up = ws
@@ -153,8 +144,6 @@ def operands(case: Case):
         return rows(case.batch, case.shared.shared), down_copies(case.shared)
     x = rows(case.batch, case.front.hidden)
     packed = packed_weights(case.front)
-    if case.launch == "front":
-        return x, packed
     gate_up = gate_up_copies(case.shared)
     return x, list(zip(packed, gate_up))
 
@@ -167,9 +156,8 @@ def check(case: Case, out, x, w) -> str | None:
         ulp = np.exp2(np.floor(np.log2(np.maximum(mag, 2.0**-126))) - 7)
         err = float((np.abs(np.asarray(out, np.float64) - y) / ulp).max())
         return None if err <= 2 else f"down {err:.2f} bf16 ulps off float64"
-    packed = w[0] if case.launch == "merged" else w
     logits, latent = out[0], out[1]
-    err_l, err_t = contract_errors(logits, latent, float64_product(x, packed), case.front.split)
+    err_l, err_t = contract_errors(logits, latent, float64_product(x, w[0]), case.front.split)
     return None if err_l <= 1 and err_t <= 1 else f"logits {err_l:.2f}, latent {err_t:.2f} of the bound"
 
 

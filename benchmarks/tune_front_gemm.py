@@ -31,9 +31,17 @@ import numpy as np
 from moe_front_jax import reference
 from moe_front_jax.pallas import front_gemm as fg
 from moe_front_jax.pallas.device import kind_folder
-from moe_front_jax.pallas.gemm.schedule import VECTOR_MAX_BATCH
+from moe_front_jax.pallas.gemm.schedule import (
+    TRITON_CONFIGS,
+    VECTOR_MAX_BATCH,
+    GridConfig,
+    StreamKConfig,
+    VectorConfig,
+    config_from_json,
+    config_to_json,
+)
 from timing import (
-    TUNE_SMEM_BUDGET, FrontShape, contract_errors, cupti_us_per_call, divisors,
+    TUNE_SMEM_BUDGET, FrontShape, config_label, contract_errors, cupti_us_per_call, divisors,
     float64_product, packed_weights, rows, tbs, vector_schedules, xla_dot,
 )
 
@@ -47,7 +55,7 @@ def candidates(shape: FrontShape, bp: int, cores: int = 132) -> list[fg.FrontGem
     is wide), and 512 or 1024 up to a batch tile of 64 (1-2 KB of each weight row per step, fewer
     DRAM pages open at once); the deepest pipeline that fits the shared memory; 4 warps for small
     tiles, 8 for large. Up to a batch tile of 64, with 128 or 256 K steps, stream-K too
-    (``FrontGemmConfig.programs``) over one, two and three programs per SM.
+    (``StreamKConfig.programs``) over one, two and three programs per SM.
     """
     out = []
     few_rows = shape.valid + shape.shard < 2 * cores * 16  # tp >= 2: split K finely
@@ -70,12 +78,12 @@ def candidates(shape: FrontShape, bp: int, cores: int = 132) -> list[fg.FrontGem
             for s in chosen:
                 depth = min(deepest, shape.hidden // (s * bk))
                 if depth >= 2:
-                    out.append(fg.FrontGemmConfig(bn, bk, s, warps, depth))
+                    out.append(GridConfig(bn, bk, s, warps, depth))
             if bp <= 64 and bn <= 64 and bk in (128, 256):
                 # Stream-K: every program an equal run of the tiles' K steps (no tail of
                 # programs on some SMs only), one to three per SM.
                 for programs in (cores, 2 * cores, 3 * cores):
-                    out.append(fg.FrontGemmConfig(bn, bk, 1, warps, max(2, deepest), programs))
+                    out.append(StreamKConfig(bn, bk, warps, max(2, deepest), programs))
     return out
 
 
@@ -85,7 +93,7 @@ def vector_candidates(shape: FrontShape, batch: int, cores: int = 132) -> list[f
     def tiles(bn):
         return -(-shape.valid // bn) + -(-shape.shard // bn)
 
-    return [fg.FrontGemmConfig(bn, bk, 1, warps, 1, vector=True)
+    return [VectorConfig(bn, bk, warps)
             for bn, bk, warps in vector_schedules(tiles, shape.hidden, 1, batch, cores)]
 
 
@@ -102,18 +110,19 @@ def ranked(results: list[dict], tp: int, bp: int) -> list[fg.FrontGemmConfig]:
     """The schedules measured for (tp, bp), fastest first."""
     rows = sorted((r for r in results if r["tp"] == tp and r["batch"] == bp and "us" in r
                    and not r.get("plan")), key=lambda r: r["us"])
-    return [fg.FrontGemmConfig(**r["config"]) for r in rows]
+    return [config_from_json(r["config"], TRITON_CONFIGS) for r in rows]
 
 
 def neighbours(ranked_configs: list[fg.FrontGemmConfig], bp: int) -> list[fg.FrontGemmConfig]:
     """The two fastest schedules of an earlier run, and the fastest with the other warp count and
-    with a two-stage deeper pipeline (where shared memory allows)."""
+    with a two-stage deeper pipeline (where shared memory allows; the vector schedule has none)."""
     out = ranked_configs[:2]
     if out:
         best = out[0]
         out.append(dataclasses.replace(best, num_warps=12 - best.num_warps))
-        deeper = best.num_stages + 2
-        if 2 * best.block_k * (best.block_rows + bp) * deeper <= TUNE_SMEM_BUDGET:
+        deeper = getattr(best, "num_stages", 0) + 2
+        stage = 2 * best.block_k * (best.block_rows + bp)
+        if not isinstance(best, VectorConfig) and stage * deeper <= TUNE_SMEM_BUDGET:
             out.append(dataclasses.replace(best, num_stages=deeper))
     return list(dict.fromkeys(out))
 
@@ -149,7 +158,7 @@ def main() -> None:
         by its budget still has it to beat."""
         entry = current.get(fg.table_key(shape.valid, shape.shard, shape.hidden, bp))
         if entry:
-            return fg.FrontGemmConfig(**entry["config"])
+            return config_from_json(entry["config"], TRITON_CONFIGS)
         return fg.pick_config(shape.valid, shape.shard, shape.hidden, bp)
 
     per_key = [
@@ -193,7 +202,7 @@ def main() -> None:
             futures = [(job, pool.submit(compile_one, job, plan)) for job in jobs]
             for job, future in futures:
                 tp, bp, cfg = job
-                row = dict(tp=tp, batch=bp, plan=plan, config=dataclasses.asdict(cfg))
+                row = dict(tp=tp, batch=bp, plan=plan, config=config_to_json(cfg))
                 if time.time() > deadline:
                     future.cancel()
                     row["error"] = "skipped: time budget"
@@ -234,7 +243,8 @@ def main() -> None:
     # the four fastest plain schedules of each key.
     plan_jobs = []
     for tp, bp in best:
-        configs = [c for c in ranked(previous or results, tp, bp) if not c.vector][:4]
+        configs = [c for c in ranked(previous or results, tp, bp)
+                   if not isinstance(c, VectorConfig)][:4]
         configs = [dataclasses.replace(c, block_rows=max(c.block_rows, 32)) for c in configs]
         plan_jobs += [(tp, bp, c) for c in dict.fromkeys(configs)]
     plan_results = measure(plan_jobs, plan=True)
@@ -283,20 +293,13 @@ def main() -> None:
         pc = p["config"] if p else {}
         print(f"{tp:>3} {bp:>4} {row['us']:>10.2f} {row['tbs']:>6.2f} {x_us:>8.2f} "
               f"{x_us / row['us']:>6.2f} {p['us'] if p else float('nan'):>8.2f}  "
-              f"bn{c['block_rows']} bk{c['block_k']} s{c['split_k']} w{c['num_warps']} "
-              f"st{c['num_stages']} p{c['programs']}{' vector' if c['vector'] else ''} | "
-              f"bn{pc.get('block_rows')} "
-              f"bk{pc.get('block_k')} s{pc.get('split_k')} w{pc.get('num_warps')} "
-              f"st{pc.get('num_stages')} p{pc.get('programs')}")
-    # The fastest schedule of each kind per key: the grid (split-K), stream-K, vector.
-    def kind(config):
-        return "vector" if config["vector"] else "stream-K" if config["programs"] else "grid"
+              f"{config_label(c)} | {config_label(pc)}")
 
     for (tp, bp) in sorted(best):
         timed = [r for r in results if r["tp"] == tp and r["batch"] == bp and "us" in r]
         fastest_of = {}
         for r in sorted(timed, key=lambda r: r["us"]):
-            fastest_of.setdefault(kind(r["config"]), r)
+            fastest_of.setdefault(r["config"]["implementation"], r)
         print(f"  tp{tp} B{bp}: " + ", ".join(
             f"{name} {r['us']:.2f} us" for name, r in sorted(fastest_of.items())))
     failed = sum("error" in r for r in results + plan_results)

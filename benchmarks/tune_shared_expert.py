@@ -7,17 +7,17 @@ L2, and keeps the fastest pair (a call's time is the sum of its kernels'). XLA's
 schedules the keys run now are compiled and timed first, every one of them; ``--budget-s`` then
 bounds the candidates. A TMA gate/up that splits K (not ``batch_m``) hands ``shared_expert``'s
 Triton down ``hidden`` transposed (``gate_up_situ_t``, then ``down_proj_t``), so it is timed so,
-and the grid and stream-K downs are timed on ``hidden.T`` too (``down_t``): such a gate/up pairs
+and the grid downs are timed on ``hidden.T`` too (``down_t``): such a gate/up pairs
 with the best ``down_t``, any other with the best down. Each kernel's XLA counterpart (the check's
 reference) is timed in the same run.
 
   python benchmarks/tune_shared_expert.py --out $OUT [--table pallas/tuning/nvidia-h200/shared_expert.json]
   python benchmarks/tune_shared_expert.py --batches 1,2 --merge --table ...   (add keys to a table)
-  python benchmarks/tune_shared_expert.py --schedules stream_k --merge --table ...
+  python benchmarks/tune_shared_expert.py --schedules tma --merge --table ...
 
 ``--schedules`` picks the kinds of schedule timed (``grid``: split-K over a grid of tiles,
-``stream_k``: one or two programs per SM, ``vector``, ``tma``: Mosaic GPU's TMA ring into wgmma
-at B <= 64); the schedules a key runs now (its ``--table``
+``vector``, ``tma``: Mosaic GPU's TMA ring into wgmma at B <= 64); each table entry names the
+implementation of each kernel (``gemm.schedule.config_to_json``); the schedules a key runs now (its ``--table``
 entry, or the heuristic's where it has none) are timed beside them, so that a merge keeps them
 unless a candidate beats them in the same run.
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import dataclasses
 import json
 import os
 import sys
@@ -44,27 +43,29 @@ from moe_front_jax import reference
 from moe_front_jax.pallas import shared_expert as se
 from moe_front_jax.pallas.device import kind_folder
 from moe_front_jax.pallas.gemm.schedule import (
-    TMA_MAX_BATCH,
-    TMA_ROWS,
-    TMA_WARPS,
     VECTOR_MAX_BATCH,
-    GemmConfig,
+    GridConfig,
+    VectorConfig,
+    config_from_json,
+    config_to_json,
     padded_batch,
 )
 from moe_front_jax.pallas.shared_expert import tma as shared_expert_tma
-from moe_front_jax.pallas.shared_expert.triton import down_proj_t
+from moe_front_jax.pallas.shared_expert import triton as shared_expert_triton
+from moe_front_jax.pallas.shared_expert.kernel import KERNEL_CONFIGS, KernelConfig
+from moe_front_jax.pallas.shared_expert.tma import TMA_MAX_BATCH, TMA_ROWS, TmaConfig
 from timing import (
-    TUNE_SMEM_BUDGET, SharedShape, cupti_us_per_call, divisors, down_copies, gate_up_copies, rows,
-    tbs, vector_schedules, xla_dot,
+    TUNE_SMEM_BUDGET, SharedShape, config_label, cupti_us_per_call, divisors, down_copies,
+    gate_up_copies, rows, tbs, vector_schedules, xla_dot,
 )
 
-KINDS = ("grid", "stream_k", "vector", "tma")
+KINDS = ("grid", "vector", "tma")
 
 
-def hands_over_transposed(c: GemmConfig | None) -> bool:
+def hands_over_transposed(c: KernelConfig | None) -> bool:
     """A gate/up schedule after which ``shared_expert`` gives the Triton down ``hidden.T``: the
     TMA gate/up with K split, whose partials lie batch-minor (not ``batch_m``'s)."""
-    return c is not None and c.tma and c.split_k > 1 and not c.batch_m
+    return isinstance(c, TmaConfig) and c.split_k > 1 and not c.batch_m
 
 
 def transposed(h: jax.Array) -> jax.Array:
@@ -89,7 +90,7 @@ XLA = {
 """Each kernel's XLA counterpart at a tp: the check's reference, and timed beside the candidates."""
 
 
-def candidates(row_count: int, k: int, parts: int, bp: int, cores: int = 132) -> list[GemmConfig]:
+def candidates(row_count: int, k: int, parts: int, bp: int, cores: int = 132) -> list[GridConfig]:
     """Schedules worth timing for one kernel: rows per program 16, 32, 64, 128 (``parts`` row blocks
     each); K steps of 64, 128 and 256, and 16 and 32 for batch tiles of 64 and more (whose ``x``
     tile is as wide as the weight's); no split where the tiles alone give every SM a program, else the smallest split
@@ -118,32 +119,12 @@ def candidates(row_count: int, k: int, parts: int, bp: int, cores: int = 132) ->
             for s in chosen:
                 depth = min(deepest, steps // s)
                 if depth >= 2:
-                    out.append(GemmConfig(bn, bk, s, warps, depth))
+                    out.append(GridConfig(bn, bk, s, warps, depth))
     return list(dict.fromkeys(out))
 
 
-def stream_k_candidates(row_count: int, k: int, parts: int, bp: int, cores: int = 132
-                        ) -> list[GemmConfig]:
-    """Stream-K schedules worth timing for one kernel: rows per program 32, 64, 128 (``parts`` row
-    blocks each), K steps of 64 and 128, ``cores`` programs with the deepest pipeline that fits one
-    per SM and ``2 * cores`` with the deepest that fits two, where the tiles give every program at
-    least two K steps."""
-    out = []
-    for bn in (32, 64, 128):
-        tiles = -(-row_count // bn)
-        for bk in (64, 128):
-            if k % bk:
-                continue
-            warps = 4 if parts * bn * bp <= 64 * 64 else 8
-            for per_sm in (1, 2):
-                depth = min(6, TUNE_SMEM_BUDGET // per_sm // (2 * bk * (parts * bn + bp)))
-                if depth >= 2 and tiles * (k // bk) >= 2 * per_sm * cores:
-                    out.append(GemmConfig(bn, bk, 1, warps, depth, per_sm * cores))
-    return out
-
-
 def tma_candidates(row_count: int, k: int, parts: int, batch: int, cores: int = 132
-                   ) -> list[GemmConfig]:
+                   ) -> list[TmaConfig]:
     """The TMA schedules worth timing for one kernel at a batch of at most 64: 64-row CTAs (per
     part), and from B = 8 on also ``batch_m`` CTAs of each multiple of 8 from 32 to 64 that divides
     the rows (tp1: 48 gate rows make 128 CTAs, 56 down rows 128), with stages of 64, 128 and 256
@@ -172,14 +153,13 @@ def tma_candidates(row_count: int, k: int, parts: int, batch: int, cores: int = 
                 deepest = min(TUNE_SMEM_BUDGET // stage, steps // split)
                 for depth in sorted({d for d in (3, 4, 6, 8, deepest)
                                      if min(3, deepest) <= d <= deepest}):
-                    out.append(GemmConfig(bn, bk, split, TMA_WARPS, depth, tma=True,
-                                          batch_m=batch_m))
+                    out.append(TmaConfig(bn, bk, split, depth, batch_m=batch_m))
     return out
 
 
-def vector_candidates(row_count: int, k: int, parts: int, batch: int) -> list[GemmConfig]:
+def vector_candidates(row_count: int, k: int, parts: int, batch: int) -> list[VectorConfig]:
     """The vector schedules worth timing for one kernel (``timing.vector_schedules``)."""
-    return [GemmConfig(bn, bk, 1, warps, 1, vector=True)
+    return [VectorConfig(bn, bk, warps)
             for bn, bk, warps in vector_schedules(lambda bn: -(-row_count // bn), k, parts, batch)]
 
 
@@ -233,8 +213,6 @@ def main() -> None:
                 configs = [None, getattr(now, kernel)]  # None: XLA's, timed as the reference
                 if "grid" in kinds:
                     configs += candidates(row_count, k, parts, tile)
-                if "stream_k" in kinds:
-                    configs += stream_k_candidates(row_count, k, parts, tile)
                 if "vector" in kinds and bp <= VECTOR_MAX_BATCH:
                     configs += vector_candidates(row_count, k, parts, bp)
                 if "tma" in kinds:
@@ -242,7 +220,7 @@ def main() -> None:
                 by_kernel[kernel] = list(dict.fromkeys(configs))
             if any(map(hands_over_transposed, by_kernel["gate_up"])):
                 by_kernel["down_t"] = [c for c in by_kernel["down"]
-                                       if c is not None and not (c.tma or c.vector)]
+                                       if isinstance(c, GridConfig)]
             per_key += [[(tp, bp, kernel, c) for c in configs]
                         for kernel, configs in by_kernel.items()]
     jobs = [lst[i] for i in range(max(map(len, per_key))) for lst in per_key if i < len(lst)]
@@ -260,12 +238,15 @@ def main() -> None:
             fn = XLA[kernel](tp)
         elif kernel == "gate_up" and hands_over_transposed(c):
             fn = lambda x, w: shared_expert_tma.gate_up_situ_t(x, w, 4.0, 25.0, config=c)  # noqa: E731
-        elif kernel == "gate_up":
-            fn = lambda x, w: se.gate_up_situ(x, w, 4.0, 25.0, config=c)  # noqa: E731
         elif kernel == "down_t":
-            fn = lambda h_t, w: down_proj_t(h_t, w, bp, out_dtype(tp), config=c)  # noqa: E731
+            fn = lambda h_t, w: shared_expert_triton.down_proj_t(  # noqa: E731
+                h_t, w, bp, out_dtype(tp), config=c)
         else:
-            fn = lambda h, w: se.down_proj(h, w, out_dtype(tp), config=c)  # noqa: E731
+            implementation = shared_expert_tma if isinstance(c, TmaConfig) else shared_expert_triton
+            if kernel == "gate_up":
+                fn = lambda x, w: implementation.gate_up_situ(x, w, 4.0, 25.0, config=c)  # noqa: E731
+            else:
+                fn = lambda h, w: implementation.down_proj(h, w, out_dtype(tp), config=c)  # noqa: E731
         x, w = operands(tp, bp, kernel)
         return jax.jit(fn).lower(x, w[0]).compile()
 
@@ -292,7 +273,7 @@ def main() -> None:
         for job, future in futures:
             tp, bp, kernel, c = job
             row = dict(tp=tp, batch=bp, kernel=kernel,
-                       config=None if c is None else dataclasses.asdict(c))
+                       config=None if c is None else config_to_json(c))
             if time.time() > deadline:
                 future.cancel()
                 row["error"] = "skipped: time budget"
@@ -327,7 +308,7 @@ def main() -> None:
     best, xla = {}, {}
     for row in results:
         kernel = row["kernel"]
-        config = row["config"] and GemmConfig(**row["config"])
+        config = row["config"] and config_from_json(row["config"], KERNEL_CONFIGS)
         if kernel == "gate_up" and hands_over_transposed(config):
             kernel = "gate_up_t"  # pairs with down_t
         key = (row["tp"], row["batch"], kernel)
@@ -379,14 +360,10 @@ def main() -> None:
                 print(f"{tp:>3} {bp:>4} (no working schedule)")
                 continue
             gu, dn = found
-            f = lambda c: (f"bn{c['block_rows']} bk{c['block_k']} s{c['split_k']} w{c['num_warps']} "  # noqa: E731
-                           f"st{c['num_stages']}{' vector' if c['vector'] else ''}"
-                           f"{' tma' if c.get('tma') else ''}"
-                           f"{' p%d' % c['programs'] if c.get('programs') else ''}")
             print(f"{tp:>3} {bp:>4} {gu['us']:>10.2f} {tbs(s.gate_up_bytes, gu['us']):>6.2f} "
                   f"{dn['us']:>8.2f} {tbs(s.down_bytes, dn['us']):>6.2f} {gu['us'] + dn['us']:>7.2f}"
                   f" {xla.get((tp, bp, 'gate_up'), nan) + xla.get((tp, bp, 'down'), nan):>7.2f}"
-                  f"  {f(gu['config'])} | {f(dn['config'])}")
+                  f"  {config_label(gu['config'])} | {config_label(dn['config'])}")
     failed = sum("error" in r for r in results)
     print(f"{len(results)} variants, {failed} failed or skipped, {time.time() - start:.0f} s")
     sys.stdout.flush()

@@ -20,9 +20,9 @@ it at its column of generation ``(control[0] + 1) mod G`` of each of the ``tp`` 
 writes ``control[1]`` and a zero status. 4-byte stores: a rank's columns need not be chunk-aligned.
 
 Cost per call and rank: reads ``B (2L + 4E) / tp`` bytes and writes that many into each of the ``tp``
-mailboxes, ``(tp - 1) / tp`` of it over NVLink; no FLOPs. K3 at B = 64, tp = 8: 602 KB to peers, a
-floor of about 1.3 us at ~450 GB/s. At tp = 1 on the H200, publish and collect took 2.34-3.68 us at
-B = 1-64 against XLA's all-gather path's 1.71-3.33 (docs/findings.md): opt-in; tp > 1 unmeasured.
+mailboxes, ``(tp - 1) / tp`` of it over NVLink; no FLOPs. K3 at B = 64, tp = 8: 602 KB to peers.
+Opt-in: at tp = 1 it was slower than XLA's all-gather path, and tp > 1 is unmeasured
+(docs/findings.md, Tensor parallel).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ Why jax-triton: the protocol needs raw pointers into a buffer updated in place a
 (``input_output_aliases``), volatile 16-byte loads of memory another writer may change while the
 kernel runs, and a spin loop bounded by a count. ``triton_call`` gives all three over the row as flat
 16-byte chunks. ``jax_triton`` is imported inside the wrappers (it needs a GPU jaxlib), so the
-kernels compile for an H200 with Triton alone on a host without a GPU. With ``plan=True`` the routing
+kernels compile for sm_90 with Triton alone on a host without a GPU. With ``plan=True`` the routing
 kernel polls the mailbox itself (``pallas/route_collect/kernel.py``).
 
 Both kernels run one program per (block of ``BLOCK_CHUNKS`` 16-byte chunks, row); each thread owns
@@ -18,9 +18,8 @@ whole chunks, so every access is a 16-byte vector. No atomics: publish zeroes th
 collect's timed-out programs set, and each kernel writes only control words it does not read.
 
 Cost per row, ``2L + 4E`` bytes (10752 for K3): publish reads and writes that many; collect reads the
-row, writes it out and re-arms it, ``3 (2L + 4E)``. No FLOPs. At B = 64 the two move 3.4 MB, a floor
-of 1.0 us at the H200's 3.36 TB/s copy ceiling: at decode batches they cost their launches and the
-dependency between them, not bandwidth.
+row, writes it out and re-arms it, ``3 (2L + 4E)``. No FLOPs. At B = 64 the two move 3.4 MB: at
+decode batches they cost their launches and the dependency between them, not bandwidth.
 """
 from __future__ import annotations
 
@@ -32,14 +31,13 @@ import triton.language as tl
 from moe_front_jax.reference import mailbox as mb
 
 BLOCK_CHUNKS = 256
-"""16-byte chunks per program, two per thread of ``NUM_WARPS`` warps (the best of 32..256 on the H200
-at B = 256, equal at B <= 64)."""
+"""16-byte chunks per program, two per thread of ``NUM_WARPS`` warps (the best of 32..256 at
+B = 256, equal below: docs/findings.md, Mailbox)."""
 NUM_WARPS = 4
 TRITON_COLLECT_SPIN_LIMIT = 1 << 16
-"""Polls of a chunk block before the jax-triton collect reports ``TIMEOUT``: on the H200 a
-never-published collect gave up after 42 ms (B = 1) and 289 ms (B = 256), well under a second
-(588 ms at B = 256 with ``1 << 17``; docs/findings.md). ``route_collect`` sets its own count
-(``ROUTE_COLLECT_SPIN_LIMIT``) by timing its own timeout."""
+"""Polls of a chunk block before the jax-triton collect reports ``TIMEOUT``: a never-published
+collect then gives up well under a second (docs/findings.md, Mailbox). ``route_collect`` sets
+its own count (``ROUTE_COLLECT_SPIN_LIMIT``) by timing its own timeout."""
 
 _SENTINEL = tl.constexpr(mb.SENTINEL)
 

@@ -1,5 +1,5 @@
-"""One whole Kimi-K3-shaped MoE layer in JAX: the front, the routed experts as grouped GEMMs over the
-tokens sorted by expert, and the shared expert.
+"""One whole Kimi-K3-shaped MoE layer in JAX (``mf.layers.MoELayer``): the front, the routed experts as
+grouped GEMMs over the tokens sorted by expert, and the shared expert.
 
     python examples/moe_layer.py [--batch 4] [--intermediate 64] [--backend auto] [--no-plan] [--small]
 
@@ -35,57 +35,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import moe_front_jax as mf
+from moe_front_jax.layers import DOWN, GATE_UP, ROUTED_UP, MoELayer, init_experts
 
-GATE_UP, DOWN, ROUTED_UP = "experts.gate_up", "experts.down", "routed_up_weight"
-"""The routed experts' weight keys: ``[E, L, 2I]`` (gate columns ``[0, I)``, up ``[I, 2I)``),
-``[E, I, L]`` and ``[H, L]``, all bfloat16."""
 SMALL = mf.FrontConfig(hidden=512, experts=128, top_k=16, latent=256, shared=512)
 """``--small``: K3's proportions at a size that runs in seconds on a CPU."""
-
-
-def init_experts(key: jax.Array, cfg: mf.FrontConfig, intermediate: int = 64) -> dict[str, jax.Array]:
-    """Seeded routed-expert weights for ``cfg`` (normals scaled by ``1 / sqrt(fan_in)``, bfloat16)."""
-    e, latent, hidden = cfg.experts, cfg.latent, cfg.hidden
-    shapes = {GATE_UP: ((e, latent, 2 * intermediate), latent),
-              DOWN: ((e, intermediate, latent), intermediate),
-              ROUTED_UP: ((hidden, latent), latent)}
-    keys = jax.random.split(key, len(shapes))
-
-    @functools.partial(jax.jit, static_argnums=(1, 2))
-    def normal(k, shape, fan_in):
-        return (jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)).astype(jnp.bfloat16)
-
-    return {name: normal(k, shape, fan_in) for k, (name, (shape, fan_in)) in zip(keys, shapes.items())}
-
-
-def dequantize_plan(values: jax.Array, scales: jax.Array) -> jax.Array:
-    """The MXFP8 plan ``(values [B, L] float8_e4m3fn, scales [B, L / block] float8_e8m0fnu)`` as
-    bfloat16 ``values * 2**(scale byte - 127)``, each scale over its block of columns."""
-    rows, width = values.shape
-    block = width // scales.shape[1]
-    v = values.astype(jnp.float32).reshape(rows, -1, block)
-    return (v * scales.astype(jnp.float32)[..., None]).reshape(rows, width).astype(jnp.bfloat16)
-
-
-def routed_experts(rows: jax.Array, group_sizes: jax.Array, experts: dict) -> jax.Array:
-    """Each expert's SiLU-gated MLP over its contiguous rows: ``rows`` ``[B K, L]`` bfloat16 grouped
-    by expert (``group_sizes`` ``[E]``) to float32 ``[B K, L]``. Float32 accumulation; the hidden
-    activation is rounded to bfloat16 as the second GEMM's input."""
-    h = lax.ragged_dot(rows, experts[GATE_UP], group_sizes, preferred_element_type=jnp.float32)
-    gate, up = jnp.split(h, 2, axis=-1)
-    hidden = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
-    return lax.ragged_dot(hidden, experts[DOWN], group_sizes, preferred_element_type=jnp.float32)
-
-
-def combine(per_slot: jax.Array, dispatch, weights: jax.Array) -> jax.Array:
-    """Rows of ``per_slot`` ``[B K, N]`` (in ``order``) back to their tokens: slot ``s``'s row is
-    ``inverse[s]``; float32 ``[B, N]``, each token's K outputs weighted by ``weights`` ``[B, K]``."""
-    batch, k = weights.shape
-    by_slot = per_slot[dispatch.inverse].reshape(batch, k, -1)
-    return jnp.einsum("bk,bkn->bn", weights.astype(jnp.float32), by_slot)
 
 
 def moe_layer(x: jax.Array, params: mf.FrontParams, experts: dict, *, plan: bool = True,
@@ -102,17 +57,8 @@ def moe_layer(x: jax.Array, params: mf.FrontParams, experts: dict, *, plan: bool
     Returns:
       ``(output, front)``: the layer's output and the front's ``FrontOutput``.
     """
-    front = mf.moe_front(x, params, plan=plan, permute=True, backend=backend)
-    k = front.ids.shape[1]
-    dispatch = front.dispatch
-    latent = dequantize_plan(*front.plan) if plan else front.latent
-    rows = latent[dispatch.order // k]  # [B K, L]: expert 0's rows first, tokens in order
-    per_slot = routed_experts(rows, dispatch.group_sizes, experts)
-    routed = combine(per_slot, dispatch, front.weights).astype(jnp.bfloat16)  # [B, L]
-    out = jnp.dot(routed, experts[ROUTED_UP].T, preferred_element_type=jnp.float32)
-    if front.shared is not None:
-        out = out + front.shared.astype(jnp.float32)
-    return out.astype(jnp.bfloat16), front
+    layer = MoELayer(params, experts[GATE_UP], experts[DOWN], experts.get(ROUTED_UP))
+    return layer(x, plan=plan, backend=backend)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,12 @@ A checkpoint stores a layer's weights under the model's names behind a layer pre
 ``model.layers.3.mlp.gate.weight``. ``load_weights`` finds the keys of SPEC.md section 2 behind a prefix,
 in one file, a list of files, or a directory (through its ``model.safetensors.index.json`` when there is
 one), checks every shape and dtype from the files' headers before reading any data, and returns the
-weights dict that ``pack_params`` and ``mf.nn.MoEFront`` take.
+weights dict that ``pack_params`` and ``mf.nn.MoEFront`` take. The families' Hugging Face names behind
+the prefix (``model.layers.N.mlp.`` for DeepSeek-V3, Kimi, GLM-4.5 and Qwen3-MoE,
+``model.layers.N.block_sparse_moe.`` for Mixtral) are the SPEC's: ``gate.weight``,
+``gate.e_score_correction_bias`` where the config has a bias, ``shared_experts.down_proj.weight``, and
+the shared gate and up either fused (``shared_experts.gate_up_proj.weight``) or as DeepSeek's two keys
+``shared_experts.gate_proj.weight`` and ``shared_experts.up_proj.weight``, stacked on reading.
 
 Example::
 
@@ -158,6 +163,7 @@ class CheckpointReader:
     Attributes:
       names: the SPEC keys found (the shared expert's two exactly when the checkpoint has them).
       has_shared: whether the shared expert's keys are there.
+      split_gate_up: whether its gate and up are DeepSeek's two keys rather than the fused one.
 
     Raises:
       ValueError: naming the checkpoint key that is missing or has the wrong shape or dtype, or only one
@@ -171,14 +177,24 @@ class CheckpointReader:
             raise ValueError(f"prefix must be a str such as 'model.layers.3.mlp.', got {prefix!r}")
         self.cfg, self.prefix = cfg, prefix
         self.files = checkpoint_files(paths_or_dir)
-        self.shapes = packing.weight_shapes(cfg)
-        names = [name for name in self.shapes if name not in packing.SHARED_KEYS]
-        self.has_shared = any(prefix + name in self.files for name in packing.SHARED_KEYS)
+        shapes = packing.weight_shapes(cfg)
+        names = [name for name in shapes if name not in packing.SHARED_KEYS]
+        # DeepSeek's layout: gate and up as two keys, read as the rows of the fused one.
+        self.split_gate_up = (prefix + packing.GATE_UP not in self.files
+                              and prefix + packing.GATE_PROJ in self.files)
+        fused_or_split = packing.SPLIT_GATE_UP if self.split_gate_up else (packing.GATE_UP,)
+        shared_keys = (*fused_or_split, packing.DOWN)
+        self.has_shared = any(prefix + name in self.files for name in shared_keys)
+        checked = list(names)
         if self.has_shared:
             names += packing.SHARED_KEYS
-        for name in names:
+            checked += shared_keys
+            if cfg.shared:
+                h, s = cfg.hidden, cfg.shared
+                shapes.update({name: ((s, h), jnp.bfloat16) for name in packing.SPLIT_GATE_UP})
+        for name in checked:
             key = prefix + name
-            shape, dtype = self.shapes.get(name, (None, None))
+            shape, dtype = shapes.get(name, (None, None))
             if shape is None:
                 raise ValueError(
                     f"checkpoint has shared-expert key {key!r} but FrontConfig.shared is 0"
@@ -194,11 +210,21 @@ class CheckpointReader:
 
     def read(self, name: str, bounds: list[tuple[int, int]] | None = None) -> np.ndarray:
         """Weight ``name`` (a SPEC key), or its block ``[start, stop)`` per dimension, as numpy."""
+        if name == packing.GATE_UP and self.split_gate_up:
+            return self._read_split_gate_up(bounds)
         key = self.prefix + name
         with safe_open(self.files[key], framework="numpy") as f:
             if bounds is None:
                 return f.get_tensor(key)
             return f.get_slice(key)[tuple(slice(a, b) for a, b in bounds)]
+
+    def _read_split_gate_up(self, bounds: list[tuple[int, int]] | None) -> np.ndarray:
+        """Rows ``[r0, r1)`` of the fused ``[2S, H]`` gate/up from the gate and up keys."""
+        s = self.cfg.shared
+        (r0, r1), cols = bounds if bounds is not None else ((0, 2 * s), (0, self.cfg.hidden))
+        blocks = [self.read(name, [(max(r0, lo) - lo, min(r1, lo + s) - lo), cols])
+                  for name, lo in zip(packing.SPLIT_GATE_UP, (0, s)) if max(r0, lo) < min(r1, lo + s)]
+        return np.concatenate(blocks)
 
     def weights(self) -> dict[str, jax.Array]:
         """Every weight found, whole, on the default device (the SPEC's weights dict)."""
@@ -234,7 +260,11 @@ class CheckpointReader:
         packed_block = stacked("packed", split + shard)
         gate_up_block = stacked("gate_up", 2 * s_r)
         packed = placed("packed", (tp * (split + shard), h), packed_block)
-        bias = placed("bias", (cfg.experts,), lambda bounds: self.read(packing.BIAS, bounds))
+        if cfg.bias:
+            bias = placed("bias", (cfg.experts,), lambda bounds: self.read(packing.BIAS, bounds))
+        else:
+            bias = placed("bias", (cfg.experts,),
+                          lambda bounds: np.zeros(bounds[0][1] - bounds[0][0], np.float32))
         gate_up = down = None
         if self.has_shared:
             gate_up = placed("gate_up", (2 * cfg.shared, h), gate_up_block)

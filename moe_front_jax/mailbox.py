@@ -1,11 +1,10 @@
 """The Lamport mailbox's state (``Mailbox``) and one step through it: publish, collect, route.
 
 A mailbox row per token carries every tensor-parallel rank's logits and latent shard (SPEC section 7;
-the layout and the plain-JAX protocol are ``moe_front_jax.reference.mailbox``). Each implementation is
-asked of ``registry``: the jax-triton publish and collect (``bridge.triton_mailbox``), the front GEMM
-publishing from its epilogue (tp = 1), the routing kernel polling the rows itself (with the plan), or
-the plain-JAX protocol; ``exchange`` calls the peer-store publish across GPUs
-(``bridge.peer_mailbox``) itself for ``transport="peer"``.
+the layout and the plain-JAX protocol are ``moe_front_jax.reference.mailbox``). What runs each step
+(the jax-triton publish and collect, the front GEMM publishing from its epilogue, the routing kernel
+polling the rows itself, the peer-store publish across GPUs, or the plain-JAX protocol) is the plan's
+(``moe_front_jax.planner.exchange_plan``); this module holds the state and checks the arguments.
 
 Why the immediate re-arm never erases a later step's value: on one device publish(t), collect(t) and
 publish(t+1) are kernels on one stream, and jax-triton's kernels never trigger programmatic dependent
@@ -36,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from moe_front_jax import registry
+from moe_front_jax import planner, registry
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.pallas.front_gemm import ticket_count
 from moe_front_jax.reference.mailbox import CONTROL_WORDS, TIMEOUT, armed_row, row_words
@@ -125,6 +124,13 @@ def check_mailbox(mailbox, cfg: FrontConfig, batch: int) -> None:
     """
     if mailbox_config(mailbox) != cfg:
         raise ValueError(f"mailbox was created for {mailbox.cfg}, but the params are for {cfg}")
+    arrays = (mailbox.buffer, mailbox.control, mailbox.tickets)
+    if any(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and a.is_deleted()
+           for a in arrays):
+        raise ValueError(
+            "mailbox's arrays were deleted: an earlier call donated them (moe_front outside jit, "
+            "or a jit with donate_argnames='mailbox'); pass the Mailbox that call returned"
+        )
     shape, dtype = tuple(mailbox.buffer.shape), mailbox.buffer.dtype
     if len(shape) != 3 or shape[2] != row_words(cfg) or dtype != jnp.uint32:
         raise ValueError(
@@ -172,7 +178,8 @@ def _arrays(mailbox: Mailbox) -> tuple[jax.Array, jax.Array]:
     return mailbox.buffer, mailbox.control
 
 
-def _with(mailbox: Mailbox, buffer, control, tickets=None) -> Mailbox:
+def with_arrays(mailbox: Mailbox, buffer, control, tickets=None) -> Mailbox:
+    """``mailbox`` holding these arrays (its ``tickets`` where None)."""
     tickets = mailbox.tickets if tickets is None else tickets
     return dataclasses.replace(mailbox, buffer=buffer, control=control, tickets=tickets)
 
@@ -185,18 +192,13 @@ def publish(
     *,
     backend: str = "auto",
 ) -> Mailbox:
-    """Rank ``rank`` writes its logits and latent shard into the next generation's rows.
+    """Rank ``rank`` writes its ``logits`` ``[B, E/tp]`` float32 and ``latent_shard`` ``[B, L/tp]``
+    bfloat16 into the next generation's rows.
 
-    Args:
-      mailbox: the ``Mailbox`` (laid out for ``mailbox.cfg``, whose ``tp`` ranks share the rows).
-      logits: ``[B, E/tp]`` float32, the rank's router logits.
-      latent_shard: ``[B, L/tp]`` bfloat16, the rank's latent columns.
-      rank: an int in ``[0, tp)``, or an int32 scalar array (``lax.axis_index`` under ``shard_map``).
-      backend: as for ``moe_front`` (the jax-triton kernel publishes one device's rows, tp = 1).
-
-    Returns:
-      The mailbox with rows ``[0, B)`` of generation ``(control[0] + 1) mod G`` holding the canonical
-      words at the rank's columns, and ``control[1]`` that generation.
+    ``rank`` is an int in ``[0, tp)`` or an int32 scalar array (``lax.axis_index`` under
+    ``shard_map``); ``backend`` as for ``moe_front`` (the jax-triton kernel publishes one device's
+    rows, tp = 1). Returns the mailbox with rows ``[0, B)`` of generation ``(control[0] + 1) mod G``
+    holding the canonical words at the rank's columns, and ``control[1]`` that generation.
 
     Raises:
       ValueError: a wrong shape or dtype, a batch over the capacity, or an int ``rank`` out of range.
@@ -210,7 +212,7 @@ def publish(
         raise ValueError(f"rank must be in [0, tp={cfg.tp}), got {rank}")
     args = (*_arrays(mailbox), logits, latent_shard, rank, cfg)
     buffer, control, _ = registry.run("mailbox_publish", backend, *args)
-    return _with(mailbox, buffer, control)
+    return with_arrays(mailbox, buffer, control)
 
 
 def collect(
@@ -238,18 +240,10 @@ def collect(
     return _collect(mailbox, jnp.zeros((), jnp.int32), batch, backend)
 
 
-def runs_kernels(mailbox: Mailbox, batch: int, backend: str) -> bool:
-    """Whether ``backend`` collects ``batch`` rows of ``mailbox`` with the GPU kernels (then a
-    publish across GPUs can be the peer store, ``transport="peer"``)."""
-    status = jnp.zeros((), jnp.int32)
-    return registry.choose("mailbox_collect", backend, *_arrays(mailbox), status, batch,
-                           mailbox.cfg).kernel
-
-
 def _collect(mailbox: Mailbox, status, batch: int, backend: str):
     args = (*_arrays(mailbox), status, batch, mailbox.cfg)
     logits, latent, status, buffer, control = registry.run("mailbox_collect", backend, *args)
-    return logits, latent, status, _with(mailbox, buffer, control)
+    return logits, latent, status, with_arrays(mailbox, buffer, control)
 
 
 def _check_exchange(mailbox, logits, latent_shard, axis_name, transport) -> int:
@@ -277,35 +271,6 @@ def _check_exchange(mailbox, logits, latent_shard, axis_name, transport) -> int:
     return batch
 
 
-def _publish_all(mailbox: Mailbox, logits, latent_shard, axis_name, backend: str, transport: str):
-    """Every rank's shard into this rank's mailbox (``exchange``'s first half); returns
-    ``(mailbox, status)``, the zeroed status word the collect polls with."""
-    cfg = mailbox.cfg
-    if transport == "peer":
-        if not runs_kernels(mailbox, logits.shape[0], backend):
-            raise NotImplementedError(
-                f"transport='peer' stores through GPU peer pointers and needs the GPU kernels, got "
-                f"backend={backend!r} on {registry.target_platform()}; use transport='gather'"
-            )
-        from moe_front_jax.bridge import peer_mailbox
-
-        buffer, control, status = peer_mailbox.publish(*_arrays(mailbox), logits, latent_shard, cfg,
-                                                       axis_name)
-        return _with(mailbox, buffer, control), status
-    if cfg.tp == 1:
-        every = [(logits, latent_shard)]
-    else:
-        every_logits = lax.all_gather(logits, axis_name)
-        every_latent = lax.all_gather(latent_shard, axis_name)
-        every = [(every_logits[rank], every_latent[rank]) for rank in range(cfg.tp)]
-    status = jnp.zeros((), jnp.int32)
-    for rank, (rank_logits, rank_latent) in enumerate(every):
-        args = (*_arrays(mailbox), rank_logits, rank_latent, rank, cfg)
-        buffer, control, status = registry.run("mailbox_publish", backend, *args)
-        mailbox = _with(mailbox, buffer, control)
-    return mailbox, status
-
-
 @functools.partial(
     jax.jit, static_argnames=("axis_name", "backend", "transport"), donate_argnames="mailbox"
 )
@@ -320,31 +285,24 @@ def exchange(
 ) -> tuple[jax.Array, jax.Array, jax.Array, Mailbox]:
     """One step through the mailbox: every rank publishes its shard, then this rank collects.
 
-    Jitted with the mailbox donated, so that a call outside ``jit`` updates the buffer in place; inside
-    the caller's ``jit`` the caller donates it.
-
-    Args:
-      mailbox: the ``Mailbox`` (armed).
-      logits: ``[B, E/tp]`` float32, this rank's router logits.
-      latent_shard: ``[B, L/tp]`` bfloat16, this rank's latent columns.
-      axis_name: with tp > 1, the mesh axis of the ranks (inside ``shard_map``); None for tp = 1.
-      backend: as for ``moe_front``.
-      transport: ``"gather"`` or ``"peer"`` (``TRANSPORTS``).
-
-    Returns:
-      ``(logits [B, E] float32, latent [B, L] bfloat16, status int32 scalar, mailbox)`` as
-      ``collect`` returns them.
+    ``logits`` ``[B, E/tp]`` float32 and ``latent_shard`` ``[B, L/tp]`` bfloat16 are this rank's;
+    ``axis_name`` the ranks' mesh axis inside ``shard_map`` (None for tp = 1); ``transport``
+    ``"gather"`` or ``"peer"`` (``TRANSPORTS``). Jitted with the mailbox donated (inside the
+    caller's ``jit`` the caller donates it). Returns ``(logits [B, E] float32, latent [B, L]
+    bfloat16, status int32 scalar, mailbox)`` as ``collect`` returns them.
 
     Raises:
       ValueError: a wrong shape, dtype or mailbox, a batch over its capacity, tp > 1 without
         ``axis_name``, an ``axis_name`` whose size is not tp, an unknown ``transport``, or
         ``"peer"`` over tp > 1 with fewer than 2 generations.
-      NotImplementedError: ``"peer"`` without the GPU kernels, or ``"gather"`` over tp > 1 with
-        ``backend="pallas"`` (the jax-triton publish is one device's; use ``"peer"``).
+      NotImplementedError: ``"peer"`` without the GPU kernels (``"gather"`` over tp > 1 publishes
+        with the reference: the jax-triton publish is one device's).
     """
     batch = _check_exchange(mailbox, logits, latent_shard, axis_name, transport)
-    mailbox, status = _publish_all(mailbox, logits, latent_shard, axis_name, backend, transport)
-    return _collect(mailbox, status, batch, backend)
+    step = planner.exchange_plan(mailbox, batch, backend=backend, transport=transport,
+                                 axis_name=axis_name)
+    env = _run(step, mailbox, logits_shard=logits, latent_shard=latent_shard)
+    return env["logits"], env["latent"], env["status"], _returned(mailbox, env)
 
 
 @functools.partial(
@@ -363,36 +321,22 @@ def exchange_route(
     plan: bool = False,
     permute: bool = False,
 ) -> tuple:
-    """``exchange``, then the routing of SPEC section 4 over the collected logits (and, with ``plan``,
-    the MXFP8 plan of the collected latent, SPEC section 5; with ``permute``, the dispatch order of
-    SPEC section 4.1).
+    """``exchange``, then routing (SPEC section 4) over the collected logits, with ``plan`` the MXFP8
+    plan of the collected latent (section 5), with ``permute`` the dispatch order (section 4.1).
 
-    With ``plan``, where ``registry`` runs the routing kernel that polls the mailbox
-    (``route_collect``: collect, route and plan in one launch), that kernel collects; otherwise the
-    collect, routing and plan stages run one after the other (without the plan the separate kernels
-    measured faster: docs/findings.md). The outputs are the same bits either way. With ``permute``
-    the routing kernel writes the order in its launch; after ``route_collect`` the stage
-    ``permute`` computes it from the ids (the standalone kernel where it runs).
-
-    Args:
-      mailbox, logits, latent_shard, axis_name, backend, transport: as for ``exchange``.
-      bias: ``[E]`` float32 correction bias.
-      plan: also return the plan.
-      permute: also return the dispatch order.
-
-    Returns:
-      ``(ids [B, K] int32, weights [B, K] bfloat16, logits [B, E] float32, latent [B, L] bfloat16,
-      plan, status int32 scalar, dispatch, mailbox)``; ``plan`` is ``(values [B, L] float8_e4m3fn,
-      scales [B, L / plan_block] float8_e8m0fnu)``, or None without ``plan``; ``dispatch`` is
-      ``(order [B * K], group_sizes [E], inverse [B * K])`` int32 (``api.Dispatch``'s fields), or
-      None without ``permute``.
-
-    Raises:
-      As ``exchange``; a wrong bias is a ValueError.
+    ``bias`` is ``[E]`` float32; the other arguments are ``exchange``'s. The plan
+    (``planner.exchange_plan``) runs ``route_collect`` (collect, route and plan in one launch) where
+    its kernel runs and the plan is asked for, else the collect, routing and plan stages: the same
+    bits either way. Returns ``(ids [B, K] int32, weights [B, K] bfloat16, logits [B, E] float32,
+    latent [B, L] bfloat16, plan, status, dispatch, mailbox)``: ``plan`` ``(values, scales)`` or
+    None, ``dispatch`` ``(order, group_sizes, inverse)`` (``api.Dispatch``'s fields) or None.
+    Raises as ``exchange``; a wrong bias is a ``ValueError``.
     """
     batch = _check_exchange(mailbox, logits, latent_shard, axis_name, transport)
-    mailbox, status = _publish_all(mailbox, logits, latent_shard, axis_name, backend, transport)
-    return _route_published(mailbox, status, bias, batch, backend, plan, permute)
+    step = planner.exchange_plan(mailbox, batch, backend=backend, transport=transport,
+                                 axis_name=axis_name, route=True, plan=plan, permute=permute)
+    env = _run(step, mailbox, logits_shard=logits, latent_shard=latent_shard, bias=bias)
+    return _routed(mailbox, env)
 
 
 @functools.partial(
@@ -417,48 +361,32 @@ def gemm_exchange_route(
     ``front_gemm_publish``: where its kernel runs, the logits and latent go from the GEMM's
     registers into the mailbox and no publish kernel runs.
 
-    Args:
-      mailbox: the ``Mailbox`` (tp = 1, armed).
-      x, packed, split, valid: ``front_gemm``'s arguments.
-      bias, backend, plan, permute: as for ``exchange_route``.
-      plan_block: multiply with ``front_gemm_plan``'s schedule for this block rather than
-        ``front_gemm``'s: the one the direct path runs, so that both paths give the same bits.
-
-    Returns:
-      As ``exchange_route``.
-
-    Raises:
-      ValueError: a wrong mailbox, or shapes that disagree with it; otherwise as ``exchange_route``.
+    ``x``, ``packed``, ``split`` and ``valid`` are ``front_gemm``'s arguments; ``bias``,
+    ``backend``, ``plan`` and ``permute`` as for ``exchange_route``; ``plan_block`` multiplies with
+    ``front_gemm_plan``'s schedule for this block rather than ``front_gemm``'s (the one the direct
+    path runs, so that both give the same bits). Returns as ``exchange_route``; raises
+    ``ValueError`` for a wrong mailbox or shapes that disagree with it.
     """
     cfg = mailbox_config(mailbox)
     check_mailbox(mailbox, cfg, x.shape[0])
-    args = (x, packed, split, valid, mailbox.buffer, mailbox.control, mailbox.tickets, cfg)
-    buffer, control, tickets, status = registry.run("front_gemm_publish", backend, *args,
-                                                    plan_block=plan_block)
-    mailbox = _with(mailbox, buffer, control, tickets)
-    return _route_published(mailbox, status, bias, x.shape[0], backend, plan, permute)
+    step = planner.exchange_plan(mailbox, x.shape[0], backend=backend, transport="gather",
+                                 axis_name=None, route=True, plan=plan, permute=permute,
+                                 gemm=(split, valid), plan_block=plan_block)
+    return _routed(mailbox, _run(step, mailbox, x=x, packed=packed, bias=bias))
 
 
-def _route_published(mailbox: Mailbox, status, bias, batch: int, backend: str, plan: bool,
-                     permute: bool) -> tuple:
-    """``exchange_route`` after the publish: ``route_collect`` (then the stage ``permute`` over its
-    ids) where its kernel runs, else collect, route (with the order) and plan."""
-    cfg = mailbox.cfg
-    args = (*_arrays(mailbox), status, bias, batch, cfg)
-    try:  # a plan the fused kernel does not write (plan_block 1) takes the separate kernels
-        fused = plan and registry.choose("route_collect", backend, *args, with_plan=True).kernel
-    except NotImplementedError:
-        fused = False
-    if fused:
-        ids, *out, status, buffer, control = registry.run("route_collect", backend, *args,
-                                                          with_plan=True)
-        dispatched = tuple(registry.run("permute", backend, ids, cfg)) if permute else None
-        return (ids, *out, status, dispatched, _with(mailbox, buffer, control))
-    logits, latent, status, mailbox = _collect(mailbox, status, batch, backend)
-    if permute:
-        ids, weights, *dispatched = registry.run("route", backend, logits, bias, cfg, permute=True)
-        dispatched = tuple(dispatched)
-    else:
-        (ids, weights), dispatched = registry.run("route", backend, logits, bias, cfg), None
-    planned = registry.run("plan", backend, latent, cfg.plan_block) if plan else None
-    return ids, weights, logits, latent, planned, status, dispatched, mailbox
+def _run(step: planner.FrontPlan, mailbox: Mailbox, **arrays) -> dict:
+    """Run ``step`` over the mailbox's arrays and ``arrays``."""
+    env = dict(buffer=mailbox.buffer, control=mailbox.control, tickets=mailbox.tickets, **arrays)
+    return planner.run(step, env)
+
+
+def _returned(mailbox: Mailbox, env: dict) -> Mailbox:
+    return with_arrays(mailbox, env["buffer"], env["control"], env["tickets"])
+
+
+def _routed(mailbox: Mailbox, env: dict) -> tuple:
+    """``exchange_route``'s outputs from the environment after its plan."""
+    fields = planner.outputs(env)
+    return (fields["ids"], fields["weights"], fields["logits"], fields["latent"], fields["plan"],
+            fields["status"], fields["dispatch"], _returned(mailbox, env))

@@ -35,6 +35,7 @@ from moe_front_jax import params as packing
 from moe_front_jax.api import FrontOutput, moe_front
 from moe_front_jax.registry import check_backend
 from moe_front_jax.config import FrontConfig
+from moe_front_jax.mailbox import Mailbox
 from moe_front_jax.params import FrontParams
 
 TP = "tp"
@@ -181,18 +182,26 @@ class MoEFront(nnx.Module):
         """
         return packing.unpack_params(self.front_params())
 
-    def __call__(self, x: jax.Array, *, plan: bool = False) -> FrontOutput:
-        """The front of one decode step.
+    def __call__(
+        self, x: jax.Array, *, plan: bool = False, permute: bool = False,
+        mailbox: Mailbox | None = None,
+    ) -> FrontOutput | tuple[FrontOutput, Mailbox]:
+        """The front of one decode step: ``mf.moe_front(x, self.front_params(), ...)``.
 
         Args:
           x: ``[B, H]`` bfloat16 decode rows, ``B >= 1``. With a mesh whose other axes split the batch
             (data parallel), ``B`` must divide by the product of their sizes.
           plan: also return the MXFP8 copy of the latent (``FrontOutput.plan``).
+          permute: also return the dispatch order of SPEC section 4.1 (``FrontOutput.dispatch``).
+          mailbox: a ``Mailbox`` for ``self.cfg`` (one device only), as ``moe_front``'s.
 
         Returns:
-          ``FrontOutput(ids [B, K] int32, weights [B, K] bf16, latent [B, L] bf16, logits [B, E] f32,
-          shared [B, H] bf16 or None, plan or None, status int32)``.
+          ``moe_front``'s ``FrontOutput``; with a mailbox, the pair ``(FrontOutput, Mailbox)``.
+
+        Raises:
+          ValueError, NotImplementedError: as ``moe_front``.
         """
         return moe_front(
-            x, self.front_params(), plan=plan, backend=self.backend, shared_reduce=self.shared_reduce
+            x, self.front_params(), plan=plan, permute=permute, backend=self.backend,
+            shared_reduce=self.shared_reduce, mailbox=mailbox,
         )

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import PartitionSpec
+
 from moe_front_jax.config import FrontConfig
 
 GATE = "gate.weight"
@@ -24,19 +26,25 @@ ROUTED_DOWN = "routed_down_weight"
 GATE_UP = "shared_experts.gate_up_proj.weight"
 DOWN = "shared_experts.down_proj.weight"
 SHARED_KEYS = (GATE_UP, DOWN)
+GATE_PROJ = "shared_experts.gate_proj.weight"
+UP_PROJ = "shared_experts.up_proj.weight"
+SPLIT_GATE_UP = (GATE_PROJ, UP_PROJ)
+"""DeepSeek-V3, Kimi-K2 and GLM-4.5 checkpoints hold the shared expert's gate and up as these two
+``[S, H]`` keys; ``GATE_UP`` stacks them, gate rows first."""
 
 DEFAULT_SPLIT_ALIGN = 16
 """Router rows are padded with zero rows up to a multiple of this before the latent rows start."""
 
 
 def weight_shapes(cfg: FrontConfig) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
-    """Expected ``(shape, dtype)`` of every weight key for ``cfg`` (unsharded, SPEC section 2)."""
+    """Expected ``(shape, dtype)`` of every weight key for ``cfg`` (unsharded, SPEC section 2): no
+    ``BIAS`` without ``cfg.bias``, no ``ROUTED_DOWN`` at ``latent = 0``, no shared keys at ``shared = 0``."""
     h, e, lat, s = cfg.hidden, cfg.experts, cfg.latent, cfg.shared
-    shapes = {
-        GATE: ((e, h), jnp.bfloat16),
-        BIAS: ((e,), jnp.float32),
-        ROUTED_DOWN: ((lat, h), jnp.bfloat16),
-    }
+    shapes = {GATE: ((e, h), jnp.bfloat16)}
+    if cfg.bias:
+        shapes[BIAS] = ((e,), jnp.float32)
+    if lat:
+        shapes[ROUTED_DOWN] = ((lat, h), jnp.bfloat16)
     if s:
         shapes[GATE_UP] = ((2 * s, h), jnp.bfloat16)
         shapes[DOWN] = ((h, s), jnp.bfloat16)
@@ -57,14 +65,16 @@ def init_weights(key: jax.Array, cfg: FrontConfig, shared: bool | None = None
         None, includes them exactly when ``cfg.shared > 0``.
 
     Returns:
-      ``{name: array}``: ``gate.weight`` ``[E, H]`` bf16, ``gate.e_score_correction_bias`` ``[E]`` f32,
-      ``routed_down_weight`` ``[L, H]`` bf16, and with ``shared``
+      ``{name: array}``: ``gate.weight`` ``[E, H]`` bf16, ``gate.e_score_correction_bias`` ``[E]`` f32
+      (with ``cfg.bias``), ``routed_down_weight`` ``[L, H]`` bf16 (with ``cfg.latent``), and with ``shared``
       ``shared_experts.gate_up_proj.weight`` ``[2S, H]`` and ``shared_experts.down_proj.weight``
       ``[H, S]`` bf16.
 
     Raises:
-      ValueError: ``shared=True`` for a config without a shared expert (``cfg.shared == 0``).
+      ValueError: ``key`` not a ``jax.random`` key; ``shared=True`` for a config without a shared
+        expert (``cfg.shared == 0``).
     """
+    check_key(key)
     if shared is None:
         shared = cfg.shared > 0
     elif shared and not cfg.shared:
@@ -75,15 +85,29 @@ def init_weights(key: jax.Array, cfg: FrontConfig, shared: bool | None = None
         return (jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)).astype(jnp.bfloat16)
 
     h = cfg.hidden
-    weights = {
-        GATE: normal(keys[0], (cfg.experts, h), h),
-        BIAS: jax.random.uniform(keys[1], (cfg.experts,), jnp.float32, -0.05, 0.05),
-        ROUTED_DOWN: normal(keys[2], (cfg.latent, h), h),
-    }
+    weights = {GATE: normal(keys[0], (cfg.experts, h), h)}
+    if cfg.bias:
+        weights[BIAS] = jax.random.uniform(keys[1], (cfg.experts,), jnp.float32, -0.05, 0.05)
+    if cfg.latent:
+        weights[ROUTED_DOWN] = normal(keys[2], (cfg.latent, h), h)
     if shared:
         weights[GATE_UP] = normal(keys[3], (2 * cfg.shared, h), h)
         weights[DOWN] = normal(keys[4], (h, cfg.shared), cfg.shared)
     return weights
+
+
+def check_key(key) -> None:
+    """``key`` must be a ``jax.random`` key: a typed key (``jax.random.key``) or a legacy ``uint32``
+    ``[2]`` array (``jax.random.PRNGKey``), concrete or traced."""
+    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key) and shape == ()
+    legacy = dtype == jnp.uint32 and tuple(shape or ()) == (2,)
+    if not (typed or legacy):
+        got = f"{type(key).__name__} {key!r}" if dtype is None else f"{tuple(shape)} {dtype}"
+        raise ValueError(
+            f"key must be a jax.random key (jax.random.key(seed), or a uint32 [2] "
+            f"jax.random.PRNGKey), got {got}"
+        )
 
 
 def check_weights(weights: Mapping[str, jax.Array], cfg: FrontConfig) -> bool:
@@ -138,7 +162,8 @@ class FrontParams:
     Attributes:
       packed: ``[split + L/tp, H]`` bfloat16: the rank's ``E/tp`` router rows, zero rows up to
         ``split``, then its ``L/tp`` latent down-projection rows.
-      bias: ``[E]`` float32 correction bias of every expert (routing ranks all of them on every rank).
+      bias: ``[E]`` float32 correction bias of every expert (routing ranks all of them on every rank);
+        zeros for a config without one (``cfg.bias`` False).
       gate_up: ``[2 S/tp, H]`` bfloat16, the rank's gate rows then its up rows; None without a shared
         expert.
       down: ``[H, S/tp]`` bfloat16, the rank's down-projection columns; None without a shared expert.
@@ -162,6 +187,16 @@ class FrontParams:
     @property
     def has_shared(self) -> bool:
         return self.gate_up is not None
+
+
+def param_specs(axis: str) -> dict[str, PartitionSpec]:
+    """``PartitionSpec`` of each array of sharded ``FrontParams`` (and of ``mf.nn.MoEFront``'s Params)."""
+    return {
+        "packed": PartitionSpec(axis, None),
+        "bias": PartitionSpec(),
+        "gate_up": PartitionSpec(axis, None),
+        "down": PartitionSpec(None, axis),
+    }
 
 
 def check_param_arrays(params: FrontParams, ranks: int, where: str) -> None:
@@ -196,14 +231,16 @@ def rank_rows(cfg: FrontConfig, rank: int, split: int) -> dict[str, tuple[tuple[
     """The packed layout, written once: for rank ``rank``'s ``packed`` and ``gate_up`` blocks, the
     ``(weight key, first row, end row)`` pieces they stack, in order (key None: zero rows).
 
-    ``packed``: the rank's ``E/tp`` router rows, zero rows up to ``split``, its ``L/tp`` latent rows.
+    ``packed``: the rank's ``E/tp`` router rows, zero rows up to ``split``, its ``L/tp`` latent rows
+    (a piece of no rows is left out: no zero rows when ``E/tp == split``, no latent at ``L = 0``).
     ``gate_up``: the rank's ``S/tp`` gate rows, then its ``S/tp`` up rows. (``down`` is split by
     columns, ``[:, rank * S/tp:(rank + 1) * S/tp]``.)
     """
     valid, shard, s_r = cfg.experts_per_rank, cfg.latent_per_rank, cfg.shared_per_rank
+    packed = ((GATE, rank * valid, (rank + 1) * valid), (None, 0, split - valid),
+              (ROUTED_DOWN, rank * shard, (rank + 1) * shard))
     return {
-        "packed": ((GATE, rank * valid, (rank + 1) * valid), (None, 0, split - valid),
-                   (ROUTED_DOWN, rank * shard, (rank + 1) * shard)),
+        "packed": tuple(piece for piece in packed if piece[2] > piece[1]),
         "gate_up": ((GATE_UP, rank * s_r, (rank + 1) * s_r),
                     (GATE_UP, cfg.shared + rank * s_r, cfg.shared + (rank + 1) * s_r)),
     }
@@ -261,7 +298,16 @@ def pack_params(
     rank = int(rank)  # a NumPy integer is taken as its int
     split = padded_split(cfg.experts_per_rank, split_align)
     packed, gate_up, down = rank_slices(weights, cfg, rank, split)
-    return FrontParams(packed, jnp.asarray(weights[BIAS]), gate_up, down, cfg, split)
+    return FrontParams(packed, bias_of(weights, cfg), gate_up, down, cfg, split)
+
+
+def bias_of(weights: Mapping[str, jax.Array], cfg: FrontConfig) -> jax.Array:
+    """The ``[E]`` float32 correction bias of ``weights``, or zeros for a config without one
+    (``cfg.bias`` False: ``sigmoid(l) + 0`` is ``sigmoid(l)`` bit for bit, and softmax scoring never
+    reads it)."""
+    if cfg.bias:
+        return jnp.asarray(weights[BIAS])
+    return jnp.zeros((cfg.experts,), jnp.float32)
 
 
 def unpack_params(params: FrontParams) -> dict[str, jax.Array]:
@@ -281,11 +327,11 @@ def unpack_params(params: FrontParams) -> dict[str, jax.Array]:
             f"params are one rank's share of tp={cfg.tp}; unpack needs every rank's (shard_params')"
         )
     ranks = params.packed.reshape(cfg.tp, params.split + cfg.latent_per_rank, h)
-    weights = {
-        GATE: ranks[:, :cfg.experts_per_rank].reshape(cfg.experts, h),
-        BIAS: params.bias,
-        ROUTED_DOWN: ranks[:, params.split:].reshape(cfg.latent, h),
-    }
+    weights = {GATE: ranks[:, :cfg.experts_per_rank].reshape(cfg.experts, h)}
+    if cfg.bias:
+        weights[BIAS] = params.bias
+    if cfg.latent:
+        weights[ROUTED_DOWN] = ranks[:, params.split:].reshape(cfg.latent, h)
     if params.has_shared:
         halves = params.gate_up.reshape(cfg.tp, 2, cfg.shared_per_rank, h)
         weights[GATE_UP] = jnp.concatenate([halves[:, half].reshape(cfg.shared, h) for half in (0, 1)])

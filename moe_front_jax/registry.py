@@ -1,14 +1,13 @@
-"""The dispatch registry: the one place that decides which implementation runs each stage.
+"""The stage table: each stage's reference, kernel and ``auto`` rule, and ``choose``, which says what
+runs one stage under a backend and why. ``moe_front_jax.planner`` asks it step by step.
 
-Every stage declares its reference (``moe_front_jax.reference``), its kernel and when ``"auto"``
-prefers the kernel; every implementation of a stage takes the same arguments. The backends:
-``"xla"`` runs the reference; ``"pallas"`` the kernel (a GPU is needed); ``"interpret"`` the kernel in
-Pallas' interpret mode on any machine (the mailbox's jax-triton kernels have no such mode: there it
-runs the reference); ``"auto"`` the kernel on a GPU where the stage's ``auto`` rule prefers it, else
-the reference. As in tokamax, a kernel raises ``NotImplementedError`` for a valid request it does not
-cover (``B > 256``, more experts than its lanes, a mailbox of tp > 1, ...): ``"auto"`` then falls
-through to the reference, ``"pallas"`` and ``"interpret"`` pass the error on. ``ValueError`` is for
-bad input only. Decisions are made when a call is traced, from static shapes, at no run-time cost.
+Every implementation of a stage takes the same arguments. The backends: ``"xla"`` runs the
+reference; ``"pallas"`` the kernel (a GPU is needed); ``"interpret"`` the kernel in Pallas' interpret
+mode (the mailbox's jax-triton kernels have none: the reference); ``"auto"`` the kernel on a GPU
+where the stage's ``auto`` rule prefers it, else the reference. As in tokamax, a kernel raises
+``NotImplementedError`` for a valid request it does not cover: ``"auto"`` falls through to the
+reference, ``"pallas"`` and ``"interpret"`` pass the error on (the planner then runs the reference
+and says why). ``ValueError`` is for bad input only.
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+
+from moe_front_jax.pallas import device
 
 BACKENDS = ("auto", "xla", "pallas", "interpret")
 ALWAYS, NEVER = "always", "never"
@@ -38,6 +39,8 @@ class Stage:
       interprets: whether the kernel has Pallas' interpret mode (``"interpret"`` runs it there).
       covers: optional predicate over the arguments that raises ``NotImplementedError`` where the
         kernel does not cover them, without running it (so a caller can choose a path first).
+      selects: optional function of the arguments that names the kernel's implementation and
+        schedule, and why (a ``gemm.schedule.Selection``), for a stage of several.
     """
 
     reference: str
@@ -45,6 +48,7 @@ class Stage:
     auto: str = ALWAYS
     interprets: bool = True
     covers: str | None = None
+    selects: str | None = None
 
 
 _P = "moe_front_jax.pallas"
@@ -52,11 +56,12 @@ _R = "moe_front_jax.reference"
 STAGES: dict[str, Stage] = {
     "front_gemm": Stage(f"{_R}.gemm:front_gemm", f"{_P}.front_gemm:front_gemm",
                         auto=f"{_P}.front_gemm:auto_prefers_kernel",
-                        covers=f"{_P}.front_gemm:covers"),
+                        covers=f"{_P}.front_gemm:covers", selects=f"{_P}.front_gemm:selects"),
     # The plan from the GEMM's epilogue was never timed against XLA's GEMM followed by the plan
     # kernel as one, so "auto" runs the plain GEMM and the plan stage.
     "front_gemm_plan": Stage(f"{_R}.gemm:front_gemm_plan", f"{_P}.front_gemm:front_gemm_plan",
-                             auto=NEVER, covers=f"{_P}.front_gemm:covers"),
+                             auto=NEVER, covers=f"{_P}.front_gemm:covers",
+                             selects=f"{_P}.front_gemm:selects"),
     # With ``permute=True`` (a keyword) the routing kernel also writes the dispatch order (SPEC 4.1)
     # in the same launch; "permute" is that order alone from ids (after ``route_collect``).
     "route": Stage(f"{_R}.routing:route", f"{_P}.route:route", covers=f"{_P}.route:covers"),
@@ -65,11 +70,12 @@ STAGES: dict[str, Stage] = {
     "plan": Stage(f"{_R}.plan:mxfp8_plan", f"{_P}.plan:plan", covers=f"{_P}.plan:covers"),
     "shared_expert": Stage(f"{_R}.shared:shared_expert", f"{_P}.shared_expert:shared_expert",
                            auto=f"{_P}.shared_expert:auto_prefers_kernel",
-                           covers=f"{_P}.shared_expert:covers"),
+                           covers=f"{_P}.shared_expert:covers",
+                           selects=f"{_P}.shared_expert:selects"),
     # The merged front on the streaming engine: the front GEMM (with its plan) and the shared
-    # expert's gate/up in one launch over [router; latent; gate; up], then the down. ``moe_front``
-    # takes it where both kernels run and cover the call, else the stages above. "auto" never
-    # prefers it: on an H100 (2026-12-07) a tp1 layer took 131-134 us with it, 121.0-132.2 without.
+    # expert's gate/up in one launch over [router; latent; gate; up], then the down. The plan takes
+    # it where both kernels run and cover the call, else the stages above. "auto" never prefers it:
+    # a tp1 layer measured slower with it than on the separate stages (docs/findings.md).
     "front_gate_up": Stage(f"{_R}.gemm:front_gate_up", f"{_P}.engine:front_gate_up", auto=NEVER,
                            covers=f"{_P}.engine:covers_front_gate_up"),
     "shared_down": Stage(f"{_R}.shared:shared_down", f"{_P}.engine:down", auto=NEVER,
@@ -82,7 +88,8 @@ STAGES: dict[str, Stage] = {
                              interprets=False),
     "front_gemm_publish": Stage(f"{_R}.mailbox:gemm_publish", f"{_P}.front_gemm:front_gemm_publish",
                                 auto=f"{_P}.front_gemm:auto_prefers_publish",
-                                covers=f"{_P}.front_gemm:covers_publish"),
+                                covers=f"{_P}.front_gemm:covers_publish",
+                                selects=f"{_P}.front_gemm:selects_publish"),
     "route_collect": Stage(f"{_R}.mailbox:collect_route_plan", f"{_P}.route_collect:route_collect",
                            covers=f"{_P}.route_collect:covers"),
 }
@@ -90,10 +97,13 @@ STAGES: dict[str, Stage] = {
 
 class Choice(NamedTuple):
     """What runs a stage: ``run`` takes the stage's arguments; ``kernel`` says whether it is the
-    kernel (in interpret mode or not) rather than the reference."""
+    kernel (in interpret mode or not) rather than the reference; ``why`` is the rule that chose it;
+    ``schedule`` names the kernel's implementation and schedule where the stage has several."""
 
     run: Callable
     kernel: bool
+    why: str = ""
+    schedule: str = ""
 
 
 def check_backend(backend: str) -> str:
@@ -139,24 +149,38 @@ def choose(name: str, backend: str, *args, **kwargs) -> Choice:
     if name not in STAGES:
         raise ValueError(f"unknown stage {name!r}; stages are {tuple(STAGES)}")
     stage = STAGES[name]
-    reference = Choice(_load(stage.reference), False)
-    if backend == "xla" or (backend == "interpret" and not stage.interprets):
-        return reference
+
+    def reference(why: str) -> Choice:
+        return Choice(load(stage.reference), False, why)
+
+    if backend == "xla":
+        return reference("backend='xla'")
+    if backend == "interpret" and not stage.interprets:
+        return reference("the kernel has no interpret mode")
     if backend == "auto":
-        if not on_gpu() or stage.auto == NEVER:
-            return reference
-        if stage.auto != ALWAYS and not _load(stage.auto)(*args, **kwargs):
-            return reference
+        if not on_gpu():
+            return reference(f"auto on {target_platform()}")
+        if stage.auto == NEVER:
+            return reference("auto never prefers this kernel (registry.STAGES)")
+        if stage.auto != ALWAYS and not load(stage.auto)(*args, **kwargs):
+            table = f"pallas/tuning/{device.kind_folder(device.device_kind())}/auto.json"
+            return reference(f"auto: {table} does not have the kernel faster here")
         try:
             _covers(stage, *args, **kwargs)
-        except NotImplementedError:
-            return reference
+        except NotImplementedError as error:
+            return reference(f"the kernel does not cover this: {error}")
+        why = "auto: always" if stage.auto == ALWAYS else "auto: measured faster (auto table)"
     else:
         _covers(stage, *args, **kwargs)
-    kernel = _load(stage.kernel)
+        why = f"backend={backend!r}"
+    kernel = load(stage.kernel)
     if stage.interprets:
         kernel = functools.partial(kernel, interpret=backend == "interpret")
-    return Choice(kernel, True)
+    schedule = ""
+    if stage.selects is not None:
+        selection = load(stage.selects)(*args, **kwargs)
+        schedule = f"{selection.implementation} ({selection.reason})"
+    return Choice(kernel, True, why, schedule)
 
 
 def run(name: str, backend: str, *args, **kwargs):
@@ -165,21 +189,13 @@ def run(name: str, backend: str, *args, **kwargs):
     return choose(name, backend, *args, **kwargs).run(*args, **kwargs)
 
 
-def runs_kernel(name: str, backend: str, *args, **kwargs) -> bool:
-    """Whether stage ``name``'s kernel would run under ``backend`` for these arguments: False where
-    the reference would, and where the kernel does not cover them (no ``NotImplementedError``)."""
-    try:
-        return choose(name, backend, *args, **kwargs).kernel
-    except NotImplementedError:
-        return False
-
-
 def _covers(stage: Stage, *args, **kwargs) -> None:
     if stage.covers is not None:
-        _load(stage.covers)(*args, **kwargs)
+        load(stage.covers)(*args, **kwargs)
 
 
 @functools.cache
-def _load(target: str) -> Callable:
+def load(target: str) -> Callable:
+    """The function a ``"module:function"`` path names, imported when first asked for."""
     module, function = target.split(":")
     return getattr(importlib.import_module(module), function)

@@ -24,11 +24,15 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
+READ_CEILING_TBS = 4.65
+"""HBM read rate, TB/s, that the floors and the engine's tiling model assume: the H200's measured
+ceiling (docs/findings.md, ceilings behind the cost notes)."""
+
 TABLES_OF = {"NVIDIA H100 80GB HBM3": "NVIDIA H200"}
 """Device kinds that take another kind's schedule tables where they have no entry of their own: the
 H100 SXM has the H200's 132 SMs, 227 KiB of shared memory per block and 50 MB of L2 (only the HBM
-differs, 3.35 against 4.8 TB/s), and on it the H200's tables beat or tie the heuristic's schedules
-at every shape measured but one (docs/findings.md). The H100's own tables come first. Where
+differs), and on it the H200's tables beat or tie the heuristic's schedules at every shape measured
+but one (docs/findings.md, borrowed tables). The H100's own tables come first. Where
 ``backend="auto"`` runs a kernel is each kind's own measurement (``measured_faster``)."""
 
 

@@ -53,6 +53,65 @@ def route(logits, bias, top_k, scale=1.0, renormalize=True):
     return ids, scaled.astype(BF16)
 
 
+def _ranked(keys_row, candidates) -> list[int]:
+    """``candidates`` by descending ordered key, ties to the lower id (SPEC section 4 step 3)."""
+    return sorted(candidates, key=lambda e: (-int(keys_row[e]), e))
+
+
+def _weights(chosen, scale, renormalize):
+    w = np.where(np.isnan(chosen), F32(0), chosen).astype(F32)
+    scaled = (w * F32(scale)).astype(F32)
+    if renormalize:
+        scaled = (scaled / (tree_sum32(w)[:, None] + F32(1e-20))).astype(F32)
+    return scaled.astype(BF16)
+
+
+def kept_groups(keys32, groups, topk_groups) -> list[list[int]]:
+    """SPEC section 4.2 per row: the kept group ids, increasing. A group's score is the float32
+    sum of its two largest keys by ``ordered``; the best ``topk_groups``, ties to the lower id."""
+    keys32 = np.asarray(keys32, F32)
+    n = keys32.shape[1] // groups
+    kept = []
+    for row in keys32:
+        order = ordered(row)
+        scores = []
+        for g in range(groups):
+            best = _ranked(order, range(g * n, (g + 1) * n))[:2]
+            scores.append(F32(row[best[0]]) + F32(row[best[1]]))
+        kept.append(sorted(_ranked(ordered(np.asarray(scores, F32)), range(groups))[:topk_groups]))
+    return kept
+
+
+def route_grouped(logits, bias, top_k, groups, topk_groups, scale=1.0, renormalize=True):
+    """SPEC sections 4 and 4.2 in numpy, a row at a time: (ids int32 [B, K], weights bf16 [B, K])."""
+    s = sigmoid32(logits)
+    keys = (s + np.asarray(bias, F32)).astype(F32)
+    n = keys.shape[1] // groups
+    ids = []
+    for row, kept in zip(keys, kept_groups(keys, groups, topk_groups)):
+        candidates = [e for g in kept for e in range(g * n, (g + 1) * n)]
+        ids.append(_ranked(ordered(row), candidates)[:top_k])
+    ids = np.asarray(ids, np.int32)
+    return ids, _weights(np.take_along_axis(s, ids, axis=-1), scale, renormalize)
+
+
+def route_softmax(logits, top_k, scale=1.0, renormalize=True):
+    """SPEC section 4.3 in float64: ids by the logits' ordered keys, weights from the row's softmax
+    (NaN logits as -inf; a NaN probability weighs 0), renormalized over the chosen."""
+    logits = np.asarray(logits, F32)
+    experts = np.broadcast_to(np.arange(logits.shape[-1]), logits.shape)
+    ids = np.lexsort((experts, -ordered(logits).astype(np.int64)), axis=-1)[:, :top_k].astype(np.int32)
+    finite = np.where(np.isnan(logits), -np.inf, logits).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(finite - finite.max(axis=-1, keepdims=True))
+        p = e / e.sum(axis=-1, keepdims=True)
+    w = np.take_along_axis(p, ids, axis=-1)
+    w = np.where(np.isnan(w), 0.0, w)
+    if renormalize:
+        w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
+    return ids, (w * scale).astype(BF16)
+
+
 def bf16_ulp(v) -> np.ndarray:
     """The bfloat16 unit in the last place at magnitude ``v`` (float64 in and out; subnormals' ulp
     below 2**-126)."""
@@ -83,7 +142,9 @@ def e8m0_byte(q: float) -> int:
 
 def mxfp8_plan(latent, block=32):
     """SPEC section 5 in float64: (values float8_e4m3fn [B, L], scale bytes uint8 [B, L / block])."""
-    v = np.asarray(latent, BF16).astype(np.float64)
+    # A signalling NaN raises the invalid flag when cast; NaN stays NaN, as the SPEC's plan reads it.
+    with np.errstate(invalid="ignore"):
+        v = np.asarray(latent, BF16).astype(np.float64)
     rows, width = v.shape
     blocks = v.reshape(rows, width // block, block)
     amax = np.max(np.abs(blocks), axis=-1)
@@ -111,6 +172,19 @@ def shared_expert(x, gate_up, down, beta=4.0, linear_beta=25.0) -> np.ndarray:
     h = x64 @ gu.T
     hidden = situ(h[:, :s].astype(BF16), h[:, s:].astype(BF16), beta, linear_beta)
     return hidden.astype(np.float64) @ np.asarray(down, BF16).astype(np.float64).T
+
+
+def silu_shared_expert(x, gate_up, down) -> np.ndarray:
+    """SPEC section 6 with ``activation = silu`` in float64, with the bfloat16 roundings of gate, up
+    and hidden."""
+    x64 = np.asarray(x, BF16).astype(np.float64)
+    gu = np.asarray(gate_up, BF16).astype(np.float64)
+    s = gu.shape[0] // 2
+    h = x64 @ gu.T
+    gate = h[:, :s].astype(BF16).astype(np.float64)
+    up = h[:, s:].astype(BF16).astype(np.float64)
+    hidden = (gate / (1.0 + np.exp(-gate)) * up).astype(BF16).astype(np.float64)
+    return hidden @ np.asarray(down, BF16).astype(np.float64).T
 
 
 def assert_valid_ids(ids, experts: int) -> None:

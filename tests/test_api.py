@@ -256,6 +256,33 @@ def test_route_errors():
         mf.route(jnp.zeros((2, 128), jnp.float32), bias[:64], SMALL)
 
 
+def test_a_config_passes_through_jit_as_a_static_pytree_node():
+    """``FrontConfig`` is a pytree node with no leaves: ``jax.jit(mf.route)`` takes it positionally
+    without ``static_argnames``, and another config traces anew (it is part of the cache key)."""
+    assert jax.tree.leaves(SMALL) == []
+    assert jax.tree.unflatten(jax.tree.structure(SMALL), []) == SMALL
+    logits = jax.random.normal(jax.random.key(4), (3, SMALL.experts), jnp.float32)
+    bias = small_params().bias
+    routed = jax.jit(mf.route)
+    ids, weights = routed(logits, bias, SMALL)
+    want_ids, want_weights = mf.route(logits, bias, SMALL, backend="xla")
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(weights, want_weights)
+    top4 = dataclasses.replace(SMALL, top_k=4)
+    assert routed(logits, bias, top4)[0].shape == (3, 4)
+    assert hash(top4) != hash(SMALL) and top4 != SMALL
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        top4.top_k = 8
+
+
+@pytest.mark.parametrize("key", [0, np.zeros(2, np.int32), "seed", jnp.zeros(3, jnp.uint32)])
+def test_init_weights_refuses_a_key_that_is_not_a_prng_key(key):
+    with pytest.raises(ValueError, match=r"key must be a jax.random key \(jax.random.key\(seed\)"):
+        mf.init_weights(key, SMALL)
+    legacy = mf.init_weights(jax.random.PRNGKey(0), SMALL)
+    assert legacy[mf.params.GATE].shape == (SMALL.experts, SMALL.hidden)
+
+
 def abstract(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -343,5 +370,13 @@ def test_more_rows_than_a_kernel_covers():
     for got, want in zip(jax.tree.leaves(auto), jax.tree.leaves(xla), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert auto.ids.shape == (257, 8)
-    with pytest.raises(NotImplementedError, match=r"B <= 256 rows per call, got B=257"):
-        front(x, params, plan=True, backend="interpret")
+    # One rule for every entry point and backend (SPEC section 8): a stage whose kernel does not
+    # cover B runs its reference, and the plan says so; routing's kernel covers any B.
+    interpret = front(x, params, plan=True, backend="interpret")
+    for got, want in zip(jax.tree.leaves(interpret), jax.tree.leaves(xla), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    steps = {step.stage: step for step in mf.explain(x, params, plan=True,
+                                                     backend="interpret").steps}
+    assert not steps["front_gemm_plan" if "front_gemm_plan" in steps else "front_gemm"].kernel
+    assert "B <= 256 rows per call, got B=257" in steps["shared_expert"].why
+    assert steps["route"].kernel and steps["plan"].kernel

@@ -16,7 +16,7 @@ import moe_front_jax as mf
 from moe_front_jax import registry
 from moe_front_jax.params import padded_split
 from moe_front_jax.pallas.front_gemm import kernel as fg
-from moe_front_jax.pallas.shared_expert import triton as se
+from moe_front_jax.pallas.shared_expert import kernel as se
 from moe_front_jax.pallas import device
 from conftest import has_gpu
 from h200 import H200, lower_for_h200

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import moe_front_jax as mf
-from moe_front_jax import api, reference, registry
+from moe_front_jax import reference, registry
 from moe_front_jax.params import padded_split
 from moe_front_jax.pallas.engine import kernel as ek
 from moe_front_jax.pallas.gemm import mosaic
@@ -73,9 +73,11 @@ def situ_of(h, s_r):
     return reference.situ(gate, up, SMALL.situ_beta, SMALL.linear_beta)
 
 
-@functools.partial(jax.jit, static_argnames=("split", "valid", "config"))
-def front_interpret(x, w, *, split=SPLIT, valid=VALID, config=None):
-    return ek.front_gemm(x, w, split, valid, config=config, interpret=True)
+@functools.partial(jax.jit, static_argnames=("config",))
+def front_interpret(x, w, *, config=None):
+    """The merged front's logits and latent (its gate/up rows zero)."""
+    gate_up = jnp.zeros((2 * S_R, x.shape[1]), jnp.bfloat16)
+    return ek.front_gate_up(x, w, SPLIT, VALID, gate_up, SMALL, config=config, interpret=True)[:2]
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "config"))
@@ -96,8 +98,10 @@ def down_interpret(hidden, down, *, out_dtype, config=None):
 # runs past them).
 FRONT_CONFIGS = (
     None,
-    EngineConfig(router_rows=8, latent_rows=16, block_k=64, num_stages=3, fold_k=64),
-    EngineConfig(router_rows=32, latent_rows=64, block_k=128, num_stages=2, pad_x=False),
+    EngineConfig(router_rows=8, latent_rows=16, gate_up_rows=16, block_k=64, num_stages=3,
+                 fold_k=64),
+    EngineConfig(router_rows=32, latent_rows=64, gate_up_rows=32, block_k=128, num_stages=2,
+                 pad_x=False),
 )
 
 
@@ -239,28 +243,28 @@ def test_covers_errors():
     x, w = exact_front(4)
     gate_up = exact_gate_up(S_R)
     h, d = x[:, :S_R], jnp.zeros((HIDDEN, S_R), jnp.bfloat16)
-    ek.covers_front_gemm(x, w, SPLIT, VALID)
     ek.covers_front_gate_up(x, w, SPLIT, VALID, gate_up, SMALL)
     ek.covers_down(h, d)
     big = jnp.zeros((65, HIDDEN), jnp.bfloat16)
-    for call in (lambda: ek.front_gemm(big, w, SPLIT, VALID),
-                 lambda: ek.front_gate_up(big, w, SPLIT, VALID, gate_up, SMALL),
+    for call in (lambda: ek.front_gate_up(big, w, SPLIT, VALID, gate_up, SMALL),
                  lambda: ek.down(big[:, :S_R], d)):
         with pytest.raises(NotImplementedError, match="B <= 64 .* got B=65"):
             call()
     with pytest.raises(NotImplementedError, match="router rows into CTAs of 24 rows: 64 rows"):
-        ek.covers_front_gemm(x, w, SPLIT, VALID, config=EngineConfig(router_rows=24))
+        ek.covers_front_gate_up(x, w, SPLIT, VALID, gate_up, SMALL,
+                                config=EngineConfig(router_rows=24))
     with pytest.raises(NotImplementedError, match="latent rows into CTAs of 48 rows: 128 rows"):
-        ek.front_gemm(x, w, SPLIT, VALID, config=EngineConfig(router_rows=16, latent_rows=48))
+        ek.front_gate_up(x, w, SPLIT, VALID, gate_up, SMALL,
+                         config=EngineConfig(router_rows=16, latent_rows=48))
     with pytest.raises(NotImplementedError, match="gate/up rows into CTAs of 48 rows: 64 rows"):
         ek.covers_front_gate_up(x, w, SPLIT, VALID, gate_up, SMALL,
                                 config=EngineConfig(router_rows=16, gate_up_rows=48))
     with pytest.raises(NotImplementedError, match="down rows into CTAs of 56 rows: 256 rows"):
         ek.covers_down(h, d, config=EngineConfig(down_rows=56, block_k=64))
     with pytest.raises(NotImplementedError, match="none divides 60"):
-        ek.covers_front_gemm(x, w[4:], SPLIT - 4, VALID - 4)  # 60 router rows: no cut of 8
+        ek.covers_front_gate_up(x, w[4:], SPLIT - 4, VALID - 4, gate_up, SMALL)  # 60 router rows
     with pytest.raises(NotImplementedError, match="multiple of 32"):
-        ek.covers_front_gemm(x[:, :48], w[:, :48], SPLIT, VALID)
+        ek.covers_front_gate_up(x[:, :48], w[:, :48], SPLIT, VALID, gate_up[:, :48], SMALL)
     with pytest.raises(NotImplementedError, match="latent_rows=16 is not a multiple of 32"):
         ek.covers_front_gate_up(
             x, w, SPLIT, VALID, gate_up, SMALL, plan=True,
@@ -268,15 +272,15 @@ def test_covers_errors():
     with pytest.raises(ValueError, match="latent shard's 120 rows must be a multiple of"):
         ek.covers_front_gate_up(x, w[:-8], SPLIT, VALID, gate_up, SMALL, plan=True)
     with pytest.raises(ValueError, match="x is an empty batch"):
-        ek.front_gemm(x[:0], w, SPLIT, VALID)
+        ek.front_gate_up(x[:0], w, SPLIT, VALID, gate_up, SMALL)
     with pytest.raises(ValueError, match="x must be a 2-D bfloat16 array"):
-        ek.front_gemm(x.astype(jnp.float32), w, SPLIT, VALID)
+        ek.front_gate_up(x.astype(jnp.float32), w, SPLIT, VALID, gate_up, SMALL)
     with pytest.raises(ValueError, match="packed must have x's width 256, got 128"):
-        ek.front_gemm(x, w[:, :128], SPLIT, VALID)
+        ek.front_gate_up(x, w[:, :128], SPLIT, VALID, gate_up, SMALL)
     with pytest.raises(ValueError, match="need 0 < valid <= split < rows of packed"):
-        ek.front_gemm(x, w, VALID - 8, VALID)
+        ek.front_gate_up(x, w, VALID - 8, VALID, gate_up, SMALL)
     with pytest.raises(ValueError, match="split must be a static int"):
-        ek.front_gemm(x, w, float(SPLIT), VALID)
+        ek.front_gate_up(x, w, float(SPLIT), VALID, gate_up, SMALL)
     with pytest.raises(ValueError, match="gate_up must hold 2 S_r rows"):
         ek.front_gate_up(x, w, SPLIT, VALID, gate_up[:-1], SMALL)
     with pytest.raises(ValueError, match="gate_up must have x's width"):
@@ -288,16 +292,17 @@ def test_covers_errors():
     with pytest.raises(ValueError, match="out_dtype must be bfloat16 or float32"):
         ek.down(h, d, jnp.float16)
     with pytest.raises(ValueError, match="needs hidden divisible by block_k=512"):
-        ek.front_gemm(x, w, SPLIT, VALID, config=EngineConfig(router_rows=16, block_k=512))
+        ek.front_gate_up(x, w, SPLIT, VALID, gate_up, SMALL,
+                         config=EngineConfig(router_rows=16, block_k=512))
     with pytest.raises(ValueError, match="takes 256 KiB of shared memory, over the 227 KiB"):
-        ek.front_gemm(x, w, SPLIT, VALID, config=EngineConfig(
-            router_rows=64, latent_rows=64, block_k=256, num_stages=4))
+        ek.front_gate_up(x, w, SPLIT, VALID, gate_up, SMALL, config=EngineConfig(
+            router_rows=64, latent_rows=64, gate_up_rows=32, block_k=256, num_stages=4))
     with pytest.raises(ValueError, match="8 accumulators of router_rows=64 take 256 registers"):
-        ek.front_gemm(jnp.zeros((1, 8192), jnp.bfloat16), jnp.zeros((SPLIT + SHARD, 8192),
-                      jnp.bfloat16), SPLIT, VALID,
-                      config=EngineConfig(router_rows=64, fold_k=1024))
+        ek.front_gate_up(jnp.zeros((1, 8192), jnp.bfloat16), jnp.zeros((SPLIT + SHARD, 8192),
+                         jnp.bfloat16), SPLIT, VALID, jnp.zeros((2 * S_R, 8192), jnp.bfloat16),
+                         SMALL, config=EngineConfig(router_rows=64, gate_up_rows=32, fold_k=1024))
     with pytest.raises(ValueError, match="config must be an EngineConfig or None"):
-        ek.front_gemm(x, w, SPLIT, VALID, config=(32, 32))
+        ek.front_gate_up(x, w, SPLIT, VALID, gate_up, SMALL, config=(32, 32))
 
 
 @pytest.mark.parametrize("field, value", [
@@ -341,7 +346,7 @@ def test_heuristic_tiling_at_k3_shapes(tp):
                             (down, ((K3.hidden, "down_rows"),))):
         stage = 2 * config.block_k * (64 + max(
             (2 if f == "gate_up_rows" else 1) * getattr(config, f) for _, f in regions))
-        assert stage * config.num_stages <= ek.SMEM_BUDGET
+        assert stage * config.num_stages <= ek.RING_SMEM
         for rows, field in regions:
             assert rows % getattr(config, field) == 0, (config, field)
     chains = ek.chains_for(K3.hidden, merged.fold_k, merged.block_k)
@@ -397,8 +402,6 @@ def test_lowers_for_h200(tp, batch):
     H200 as one Mosaic GPU kernel launched with PDL, with no XLA dot beside it and at most one pad
     of ``x``. The heuristic pads ``x`` to 64 rows but for tp1's merged front (128-row CTAs)."""
     cfg, valid, split, x, packed, gate_up, hidden, down = k3_arrays(tp, batch)
-    text = lower_for_h200(lambda x, w: ek.front_gemm(x, w, split, valid), x, packed)
-    assert_one_engine_kernel(text, batch, pad_x=True)
     for plan in (False, True):
         text = lower_for_h200(
             lambda x, w, g: ek.front_gate_up(x, w, split, valid, g, cfg, plan=plan),
@@ -411,8 +414,9 @@ def test_lowers_for_h200(tp, batch):
 
 def test_lowers_without_pdl(monkeypatch):
     monkeypatch.setattr(mosaic, "LAUNCH_WITH_PDL", False)
-    cfg, valid, split, x, packed, *_ = k3_arrays(8, 8)
-    text = lower_for_h200(lambda x, w: ek.front_gemm(x, w, split, valid), x, packed)
+    cfg, valid, split, x, packed, gate_up, *_ = k3_arrays(8, 8)
+    text = lower_for_h200(lambda x, w, g: ek.front_gate_up(x, w, split, valid, g, cfg), x, packed,
+                          gate_up)
     assert text.count("@mosaic_gpu_v2") == 1 and "mosaic_gpu.uses_pdl" not in text
 
 
@@ -433,9 +437,9 @@ def test_moe_front_merged_meets_the_contract(batch):
     weights, cfg = small_params()
     params = mf.pack_params(weights, cfg)
     x = jax.random.normal(jax.random.key(batch), (batch, HIDDEN)).astype(jnp.bfloat16)
-    assert api.merged_front(x, params, "interpret", True)
-    assert not api.merged_front(x, params, "xla", True)
-    assert not api.merged_front(x, params, "auto", True)  # "auto" keeps it off (registry)
+    assert mf.explain(x, params, plan=True, backend="interpret").merged
+    assert not mf.explain(x, params, plan=True, backend="xla").merged
+    assert not mf.explain(x, params, plan=True).merged  # "auto" keeps it off (registry)
     front = jax.jit(mf.moe_front, static_argnames=("plan", "permute", "backend"))
     want = front(x, params, plan=True, permute=True, backend="xla")
     got = front(x, params, plan=True, permute=True, backend="interpret")
@@ -458,7 +462,7 @@ def test_moe_front_merged_through_a_mailbox_keeps_the_direct_bits(plan):
     weights, cfg = small_params()
     params = mf.pack_params(weights, cfg)
     x = jax.random.normal(jax.random.key(11), (6, HIDDEN)).astype(jnp.bfloat16)
-    assert api.merged_front(x, params, "interpret", False)
+    assert mf.explain(x, params, backend="interpret", mailbox=True).merged
     front = jax.jit(mf.moe_front, static_argnames=("plan", "backend"))
     want = front(x, params, plan=plan, backend="interpret")
     got, _ = front(x, params, plan=plan, backend="interpret",
@@ -488,13 +492,15 @@ def test_moe_front_under_tp_stays_unmerged():
 
 def test_moe_front_past_the_engine_takes_the_separate_stages():
     """B = 65 is past the engine's 64 rows: ``"interpret"`` runs the front GEMM and shared expert
-    kernels instead, and ``registry.runs_kernel`` says so without raising."""
+    kernels instead, and the plan says why."""
     weights, cfg = small_params()
     params = mf.pack_params(weights, cfg)
     x = jax.ShapeDtypeStruct((65, HIDDEN), jnp.bfloat16)
-    assert not registry.runs_kernel("front_gate_up", "interpret", x, params.packed, params.split,
-                                    cfg.experts_per_rank, params.gate_up, cfg)
-    assert not api.merged_front(x, params, "interpret", False)
+    front = mf.explain(x, params, backend="interpret")
+    assert not front.merged
+    assert "B <= 64" in front.notes[0]
+    assert [(s.stage, s.kernel) for s in front.steps] == [
+        ("front_gemm", True), ("route", True), ("shared_expert", True)]
     with pytest.raises(NotImplementedError, match="B <= 64"):
         registry.choose("front_gate_up", "interpret", x, params.packed, params.split,
                         cfg.experts_per_rank, params.gate_up, cfg)
@@ -583,21 +589,19 @@ def test_situ_distance_allows_either_rounding_only_near_a_midpoint():
 @pytest.mark.parametrize("tp", [1, 8])
 def test_gpu_front_matches_float64(tp):
     """Logits within 1e-5 of the float64 product, the latent within one bfloat16 ulp, from the
-    front alone and from the merged front; the plan bit-equal to the reference's plan of the same
+    merged front; the plan bit-equal to the reference's plan of the same
     latent on the same device; ``hidden`` through a down projection within 1e-2 of the float64
     shared expert; on exact data the logits, latent and plan exact and ``hidden`` within one ulp of
     the reference situ of the exact gate and up."""
     cfg = K3.with_tp(tp)
     params = mf.pack_params(k3_weights(), cfg)
     valid, split = cfg.experts_per_rank, params.split
-    front = jax.jit(lambda x, w: ek.front_gemm(x, w, split, valid))
     merged = jax.jit(lambda x, w, g: ek.front_gate_up(x, w, split, valid, g, cfg))
     planned_front = jax.jit(lambda x, w, g: ek.front_gate_up(x, w, split, valid, g, cfg, plan=True))
     for batch in (1, 7, 37, 64):
         x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
         y = product(x, params.packed)
-        for logits, latent in (front(x, params.packed),
-                               merged(x, params.packed, params.gate_up)[:2]):
+        for logits, latent in (merged(x, params.packed, params.gate_up)[:2],):
             assert close_to_float64(logits, y[:, :valid], 1e-5), (tp, batch)
             err = np.abs(np.asarray(latent.astype(jnp.float32), np.float64) - y[:, split:])
             mag = np.maximum(np.abs(y), np.sqrt((y**2).mean(axis=1, keepdims=True)))[:, split:]

@@ -18,6 +18,7 @@ from moe_front_jax import registry, reference
 from moe_front_jax import mailbox as mb
 from moe_front_jax.params import padded_split
 from moe_front_jax.pallas.front_gemm import kernel as fg
+from moe_front_jax.pallas.gemm import schedule
 from moe_front_jax.reference import mailbox as layout
 from h200 import H200, lower_for_h200, triton_ir_for_h200
 import oracle
@@ -25,7 +26,11 @@ import oracle
 K3 = mf.KIMI_K3
 SMALL_HIDDEN = 256
 """Interpret mode keeps K3's row counts and shrinks the hidden size (the GEMM's K)."""
-Cfg = fg.FrontGemmConfig
+Grid, SK, Vec = schedule.GridConfig, schedule.StreamKConfig, schedule.VectorConfig
+
+
+def from_json(entry):
+    return schedule.config_from_json(entry, schedule.TRITON_CONFIGS)
 
 
 def k3_shape(tp, split=None):
@@ -66,24 +71,24 @@ def interpret(x, w, *, split, valid, plan, config):
 # latent tiles that run past their region (valid % block_rows, shard % block_rows), B below, at and
 # above 16, a split off every alignment, and tiles too narrow for a plan block (widened to 32).
 INTERPRET_CASES = [
-    (1, 1, None, Cfg(32, 64, 2, 4, 3), False),
-    (2, 37, None, Cfg(64, 64, 4, 4, 3), True),
-    (4, 3, None, Cfg(16, 64, 1, 4, 3), True),
-    (8, 255, None, Cfg(128, 128, 1, 8, 3), True),
-    (8, 7, 120, Cfg(32, 64, 4, 4, 3), True),
-    (16, 16, None, Cfg(64, 32, 8, 4, 3), True),
+    (1, 1, None, Grid(32, 64, 2, 4, 3), False),
+    (2, 37, None, Grid(64, 64, 4, 4, 3), True),
+    (4, 3, None, Grid(16, 64, 1, 4, 3), True),
+    (8, 255, None, Grid(128, 128, 1, 8, 3), True),
+    (8, 7, 120, Grid(32, 64, 4, 4, 3), True),
+    (16, 16, None, Grid(64, 32, 8, 4, 3), True),
     # Stream-K: runs of iterations shorter than a tile (several contributors a tile, the last one's
     # run cut short), longer than a tile (one program over several tiles, router and latent), and
     # more programs than iterations (the trailing programs have none).
-    (1, 1, None, Cfg(32, 64, 1, 4, 3, programs=132), False),
-    (2, 37, None, Cfg(64, 64, 1, 4, 3, programs=7), True),
-    (8, 3, 120, Cfg(32, 32, 1, 4, 3, programs=29), True),
-    (8, 16, None, Cfg(128, 128, 1, 8, 3, programs=64), True),
+    (1, 1, None, SK(32, 64, 4, 3, 132), False),
+    (2, 37, None, SK(64, 64, 4, 3, 7), True),
+    (8, 3, 120, SK(32, 32, 4, 3, 29), True),
+    (8, 16, None, SK(128, 128, 8, 3, 64), True),
     # The vector schedule: one row per program, tiles that run past their region (112 % 32, and a
     # split off every alignment), and the largest batch it takes.
-    (8, 1, None, Cfg(1, 64, 1, 4, 3, vector=True), False),
-    (8, 3, 120, Cfg(32, 32, 1, 4, 3, vector=True), False),
-    (1, 8, None, Cfg(16, 128, 1, 4, 3, vector=True), False),
+    (8, 1, None, Vec(1, 64, 4), False),
+    (8, 3, 120, Vec(32, 32, 4), False),
+    (1, 8, None, Vec(16, 128, 4), False),
 ]
 
 
@@ -114,10 +119,10 @@ def test_interpret_matches_reference_exactly(tp, batch, split, config, plan):
 
 
 @pytest.mark.parametrize("config", [
-    Cfg(32, 32, 1, 4, 3),  # one chain over all 8 steps
-    Cfg(32, 32, 2, 4, 3),  # chains of 4 steps
-    Cfg(32, 32, 1, 4, 3, programs=29),  # runs that start and end off the fold boundaries
-    Cfg(64, 32, 1, 4, 3, programs=7),  # runs over several tiles
+    Grid(32, 32, 1, 4, 3),  # one chain over all 8 steps
+    Grid(32, 32, 2, 4, 3),  # chains of 4 steps
+    SK(32, 32, 4, 3, 29),  # runs that start and end off the fold boundaries
+    SK(64, 32, 4, 3, 7),  # runs over several tiles
 ])
 def test_interpret_folded_accumulator_counts_every_step_once(monkeypatch, config):
     """With ``FOLD_K`` cut to 3 steps of 32 (so the fold fires at K positions a run starts and ends
@@ -140,7 +145,7 @@ def test_interpret_plan_of_non_finite_latent():
     x, w = exact_operands(6, valid, split, shard, SMALL_HIDDEN, seed=3)
     x = x.at[1, 5].set(jnp.inf).at[2, 9].set(jnp.nan).at[3].set(-0.0).at[4, 0].set(3e38)
     logits, latent, planned = interpret(
-        x, w, split=split, valid=valid, plan=True, config=Cfg(32, 64, 2, 4, 3)
+        x, w, split=split, valid=valid, plan=True, config=Grid(32, 64, 2, 4, 3)
     )
     ref_logits, ref_latent = reference.front_gemm(x, w, split, valid)
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(ref_logits))
@@ -192,12 +197,12 @@ PUBLISH_CFG = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=26, top_k=4, latent=36
 ODD_CFG = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=25, top_k=4, latent=36, shared=0,
                          plan_block=4)
 PUBLISH_CONFIGS = [
-    Cfg(16, 64, 1, 4, 3),
-    Cfg(16, 64, 2, 4, 3),
-    Cfg(32, 32, 1, 4, 3, programs=5),
-    Cfg(1, 64, 1, 4, 3, vector=True),
-    Cfg(2, 128, 1, 4, 3, vector=True),
-    Cfg(8, 64, 1, 4, 3, vector=True),
+    Grid(16, 64, 1, 4, 3),
+    Grid(16, 64, 2, 4, 3),
+    SK(32, 32, 4, 3, 5),
+    Vec(1, 64, 4),
+    Vec(2, 128, 4),
+    Vec(8, 64, 4),
 ]
 
 
@@ -244,7 +249,7 @@ def published_buffers(cfg, steps, publish):
 
 @pytest.mark.parametrize("cfg", [PUBLISH_CFG, ODD_CFG], ids=["even", "odd"])
 @pytest.mark.parametrize("config, plan_block", [(c, None) for c in PUBLISH_CONFIGS] + [
-    (Cfg(16, 64, 2, 4, 3), 4)])
+    (Grid(16, 64, 2, 4, 3), 4)])
 def test_interpret_publish_equals_publishing_the_outputs(cfg, config, plan_block):
     """``front_gemm_publish`` leaves in the mailbox exactly what ``mailbox.publish`` (plain JAX) leaves
     from ``front_gemm``'s outputs (``front_gemm_plan``'s with ``plan_block``) with the same schedule,
@@ -274,7 +279,7 @@ def test_publish_takes_the_plan_schedule_with_plan_block(monkeypatch):
     """Without a config, ``plan_block`` picks ``front_gemm_plan``'s schedule (here a tensor-core one,
     where ``front_gemm``'s is a vector one): on random data the two give different sums, and the
     words are those of the plan's schedule."""
-    vector, grid = Cfg(2, 64, 1, 4, 1, vector=True), Cfg(16, 64, 2, 4, 3)
+    vector, grid = Vec(2, 64, 4), Grid(16, 64, 2, 4, 3)
     monkeypatch.setattr(fg, "pick_config", lambda *shape, plan=False: grid if plan else vector)
     cfg, batch = PUBLISH_CFG, 3
     x, w, split = publish_operands(batch, seed=5, exact=False)
@@ -342,7 +347,7 @@ def test_publish_errors():
     with pytest.raises(ValueError, match="plan_block asks for front_gemm_plan's schedule, a "
                                          "tensor-core one, but config is the vector schedule"):
         publish_into(box, x, w, split, cfg.experts, plan_block=4,
-                     config=Cfg(2, 64, 1, 4, 1, vector=True))
+                     config=Vec(2, 64, 4))
 
 
 @pytest.mark.parametrize("plan", [False, True])
@@ -460,7 +465,7 @@ def test_lowers_for_h200_as_one_kernel(tp, programs):
         config = None
         if programs:
             bn = 32 if batch <= 64 else 64
-            config = Cfg(bn, 128 if batch <= 64 else 64, 1, 4, 3, programs=programs)
+            config = SK(bn, 128 if batch <= 64 else 64, 4, 3, programs)
         for fn in (fg.front_gemm, fg.front_gemm_plan):
             text = lower_for_h200(lambda x, w: fn(x, w, split, valid, config=config), x, w)
             assert text.count("__gpu$xla.gpu.triton") == 1
@@ -476,11 +481,11 @@ def test_table_covers_the_k3_shapes_and_is_used_on_h200():
         valid, _, shard = k3_shape(tp)
         for batch in (16, 32, 64, 128, 256):
             entry = table["entries"][fg.table_key(valid, shard, K3.hidden, batch)]
-            cfg = Cfg(**entry["config"])
+            cfg = from_json(entry["config"])
             # The plan's own schedule where one was tuned, else the plain one (widened by the kernel).
-            plan_cfg = Cfg(**entry.get("plan_config", entry["config"]))
+            plan_cfg = from_json(entry.get("plan_config", entry["config"]))
             for c in (cfg, plan_cfg):
-                assert K3.hidden % (c.split_k * c.block_k) == 0
+                c.check_divides(K3.hidden, "H")  # raises where it does not
             mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
             with jax.sharding.use_abstract_mesh(mesh):
                 assert fg.pick_config(valid, shard, K3.hidden, batch) == cfg
@@ -494,15 +499,16 @@ def test_table_covers_the_k3_shapes_and_is_used_on_h200():
                 key = fg.table_key(valid, shard, K3.hidden, batch)
                 entry = table["entries"].get(key) or table["entries"][
                     fg.table_key(valid, shard, K3.hidden, 16)]
-                assert fg.pick_config(valid, shard, K3.hidden, batch) == Cfg(**entry["config"])
+                assert fg.pick_config(valid, shard, K3.hidden, batch) == from_json(entry["config"])
 
 
 def test_table_vector_entries(monkeypatch):
     """A batch's own vector entry serves the plain GEMM; the plan, which a vector schedule cannot
     write, and batches without an entry of their own take the padded batch's entry."""
     valid, _, shard = k3_shape(8)
-    vector = dict(block_rows=4, block_k=512, split_k=1, num_warps=4, num_stages=1, vector=True)
-    grid = dict(block_rows=32, block_k=64, split_k=8, num_warps=4, num_stages=6)
+    vector = dict(implementation="triton_vector", block_rows=4, block_k=512, num_warps=4)
+    grid = dict(implementation="triton_grid", block_rows=32, block_k=64, split_k=8, num_warps=4,
+                num_stages=6)
     entries = {fg.table_key(valid, shard, K3.hidden, 1): {"config": vector},
                fg.table_key(valid, shard, K3.hidden, 16): {"config": grid}}
     monkeypatch.setattr(
@@ -511,9 +517,9 @@ def test_table_vector_entries(monkeypatch):
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
     try:
         with jax.sharding.use_abstract_mesh(mesh):
-            assert fg.pick_config(valid, shard, K3.hidden, 1) == Cfg(**vector)
-            assert fg.pick_config(valid, shard, K3.hidden, 1, plan=True) == Cfg(**grid)
-            assert fg.pick_config(valid, shard, K3.hidden, 2) == Cfg(**grid)
+            assert fg.pick_config(valid, shard, K3.hidden, 1) == Vec(4, 512, 4)
+            assert fg.pick_config(valid, shard, K3.hidden, 1, plan=True) == Grid(32, 64, 8, 4, 6)
+            assert fg.pick_config(valid, shard, K3.hidden, 2) == Grid(32, 64, 8, 4, 6)
     finally:
         fg.load_table.cache_clear()
 
@@ -538,7 +544,7 @@ def test_vector_schedule_lowers_for_h200_as_one_kernel(tp):
     """No counters and no zeroing: one Triton kernel, nothing else, at the batches it covers."""
     valid, split, shard = k3_shape(tp)
     w = jnp.zeros((split + shard, K3.hidden), jnp.bfloat16)
-    config = Cfg(4 if tp == 8 else 32, 512, 1, 4, 4, vector=True)
+    config = Vec(4 if tp == 8 else 32, 512, 4)
     for batch in (1, 4, 8):
         x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
         text = lower_for_h200(lambda x, w: fg.front_gemm(x, w, split, valid, config=config), x, w)
@@ -549,36 +555,66 @@ def test_vector_schedule_lowers_for_h200_as_one_kernel(tp):
 
 
 def test_vector_config_errors():
-    with pytest.raises(ValueError, match="split_k must be 1, got 2"):
-        Cfg(4, 64, 2, 4, 3, vector=True)
-    with pytest.raises(ValueError, match="programs must be 0, got 132"):
-        Cfg(4, 64, 1, 4, 3, programs=132, vector=True)
-    with pytest.raises(ValueError, match="vector must be a bool, got 1"):
-        Cfg(4, 64, 1, 4, 3, vector=1)
-    with pytest.raises(ValueError, match=r"block_rows must be a power of two >= 1, got 3"):
-        Cfg(3, 64, 1, 4, 3, vector=True)
+    with pytest.raises(ValueError, match=r"VectorConfig.block_rows must be a power of two >= 1, got 3"):
+        Vec(3, 64, 4)
+    with pytest.raises(ValueError, match=r"VectorConfig.num_warps must be a positive int, got 0"):
+        Vec(4, 64, 0)
     valid, split, shard = k3_shape(8)
     w = jnp.zeros((split + shard, 64), jnp.bfloat16)
-    vector = Cfg(4, 64, 1, 4, 3, vector=True)
+    vector = Vec(4, 64, 4)
     with pytest.raises(ValueError, match="no plan epilogue"):
         fg.front_gemm_plan(jnp.zeros((2, 64), jnp.bfloat16), w, split, valid, config=vector)
     with pytest.raises(ValueError, match="covers B <= 8, got B=9"):
         fg.front_gemm(jnp.zeros((9, 64), jnp.bfloat16), w, split, valid, config=vector)
 
 
-def test_tma_config_is_refused():
-    for flags in (dict(tma=True), dict(tma=True, batch_m=True)):
-        with pytest.raises(ValueError, match="the front GEMM has no TMA schedule"):
-            Cfg(64, 128, 1, 4, 4, **flags)
+def test_a_config_of_another_implementation_is_refused():
+    """The front GEMM runs the three Triton schedules only: the shared expert's TMA config is a
+    ValueError naming what it takes."""
+    from moe_front_jax.pallas.shared_expert.tma import TmaConfig
+    valid, split, shard = k3_shape(8)
+    w = jnp.zeros((split + shard, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="config must be a GridConfig, StreamKConfig, VectorConfig"):
+        fg.front_gemm(jnp.zeros((2, 64), jnp.bfloat16), w, split, valid,
+                      config=TmaConfig(64, 64, 1, 2))
 
 
 def test_stream_k_config_errors():
-    with pytest.raises(ValueError, match="split_k must be 1"):
-        Cfg(32, 64, 2, 4, 3, programs=132)
-    with pytest.raises(ValueError, match="programs must be an int >= 0"):
-        Cfg(32, 64, 1, 4, 3, programs=-1)
-    assert Cfg(**{"block_rows": 32, "block_k": 64, "split_k": 1, "num_warps": 4, "num_stages": 3,
-                  "programs": 132}).programs == 132
+    with pytest.raises(ValueError, match="StreamKConfig.programs must be a positive int, got -1"):
+        SK(32, 64, 4, 3, -1)
+    with pytest.raises(ValueError, match="StreamKConfig.block_k must be a power of two >= 16"):
+        SK(32, 8, 4, 3, 132)
+
+
+def test_tables_name_their_implementation():
+    """Every config of the shipped table names its implementation, and only those names load."""
+    assert from_json({"implementation": "triton_stream_k", "block_rows": 32, "block_k": 64,
+                      "num_warps": 4, "num_stages": 3, "programs": 132}) == SK(32, 64, 4, 3, 132)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        from_json({"block_rows": 32, "block_k": 64, "split_k": 1, "num_warps": 4, "num_stages": 3})
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        from_json({"implementation": "mosaic_tma", "block_rows": 64, "block_k": 64, "split_k": 1,
+                   "num_stages": 2})
+    text = resources.files("moe_front_jax.pallas").joinpath("tuning", "nvidia-h200", "front_gemm.json")
+    for entry in json.loads(text.read_text())["entries"].values():
+        for name in ("config", "plan_config"):
+            if name in entry:
+                assert from_json(entry[name]).IMPLEMENTATION == entry[name]["implementation"]
+
+
+def test_select_names_the_implementation_and_why():
+    valid, _, shard = k3_shape(1)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        vector = fg.select(valid, shard, K3.hidden, 1)
+        plan = fg.select(valid, shard, K3.hidden, 1, plan=True)
+        heuristic = fg.select(112, 448, 256, 3)
+    assert (vector.implementation, type(vector.config)) == ("triton_vector", Vec)
+    assert vector.reason == "NVIDIA H200 table, batch 1"
+    # The vector entry's own plan schedule, a tensor-core one: the plan has no vector epilogue.
+    assert plan.implementation == "triton_stream_k" and plan.reason == "NVIDIA H200 table, batch 1"
+    assert heuristic.implementation == "triton_grid" and heuristic.reason.startswith("heuristic")
+    assert heuristic.config == fg.heuristic_config(112, 448, 256, 3, H200.num_cores)
 
 
 def test_errors():
@@ -600,9 +636,9 @@ def test_errors():
     with pytest.raises(ValueError, match="block must be a power of two"):
         fg.front_gemm_plan(x, w, split, valid, block=24)
     with pytest.raises(ValueError, match="needs hidden divisible by split_k"):
-        fg.front_gemm(x, w, split, valid, config=Cfg(32, 64, 2, 4, 3))
-    with pytest.raises(ValueError, match="FrontGemmConfig.block_rows must be a power of two"):
-        Cfg(24, 64, 1, 4, 3)
+        fg.front_gemm(x, w, split, valid, config=Grid(32, 64, 2, 4, 3))
+    with pytest.raises(ValueError, match="GridConfig.block_rows must be a power of two"):
+        Grid(24, 64, 1, 4, 3)
     with pytest.raises(NotImplementedError, match="B <= 256 .* backend='xla'"):
         fg.front_gemm(jnp.zeros((257, 64), jnp.bfloat16), w, split, valid)
     with pytest.raises(NotImplementedError, match="multiple of 16"):
@@ -624,7 +660,7 @@ def test_gpu_vector_schedule_matches_float64(tp):
     cfg = K3.with_tp(tp)
     params = mf.pack_params(k3_weights(), cfg)
     valid, split = cfg.experts_per_rank, params.split
-    config = Cfg(4 if tp == 8 else 16, 512, 1, 4, 1, vector=True)
+    config = Vec(4 if tp == 8 else 16, 512, 4)
     for batch in (1, 3, 8):
         x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
         logits, latent = jax.jit(lambda x, w: fg.front_gemm(x, w, split, valid, config=config))(
@@ -651,8 +687,8 @@ def test_gpu_matches_float64(tp, programs):
     valid, split = cfg.experts_per_rank, params.split
     for batch in (1, 7, 64, 256):
         x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
-        config = Cfg(32 if batch <= 64 else 64, 128 if batch <= 64 else 64, 1, 4, 4,
-                     programs=programs) if programs else None
+        config = SK(32 if batch <= 64 else 64, 128 if batch <= 64 else 64, 4, 4,
+                    programs) if programs else None
         gemm = jax.jit(lambda x, w: fg.front_gemm(x, w, split, valid, config=config))
         logits, latent = gemm(x, params.packed)
         y = exact_product(x, params.packed)

@@ -1,10 +1,13 @@
 """The package's import graph: no cycles, and dependencies that point one way.
 
-Layers, top to bottom: the API (``api``, ``parallel``, ``nn``, ``checkpoint``, ``mailbox``), the
-dispatcher (``registry``), the kernels (``pallas``, ``bridge``), the base (``config``, ``params``,
-``reference``). An edge is any import of a module of the package: a statement at the top of a module
-or inside a function, a ``"module:function"`` or module-path string (what ``registry.STAGES`` and
-the lazy ``moe_front_jax.__init__`` import by ``importlib``).
+Layers, top to bottom: the package's lazy ``__init__``; the API (``nn`` and ``layers``; then ``api``
+and ``checkpoint``; then ``parallel`` and ``mailbox``); the plan (``planner``, the one module that
+decides what runs); the stage table (``registry``); the kernels (``pallas``, ``bridge``); the base
+(``config``, ``configs``, ``params``, ``reference``). Every edge points to a lower layer; only the
+kernels and the base import within their own layer. An edge is any import of a module of the
+package: a statement at the top of a module or inside a function, a ``"module:function"`` or
+module-path string (what ``registry.STAGES``, ``planner`` and the lazy ``moe_front_jax.__init__``
+import by ``importlib``).
 """
 
 import ast
@@ -18,8 +21,28 @@ ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"moe_front_jax": "moe_front_jax", "pallas": "moe_front_jax.pallas",
            "bridge": "moe_front_jax.bridge"}
 MODULE_STRING = re.compile(r"^(moe_front_jax(?:\.\w+)+)(?::\w+)?$")
-KERNELS = ("moe_front_jax.pallas", "moe_front_jax.bridge")
-BASE = ("moe_front_jax.config", "moe_front_jax.reference")
+LAYERS = (  # top to bottom; a module's layer is the first whose prefixes it matches
+    ("package", ("moe_front_jax",), False),
+    ("module", ("moe_front_jax.nn", "moe_front_jax.layers"), False),
+    ("entry points", ("moe_front_jax.api", "moe_front_jax.checkpoint"), False),
+    ("collectives and mailbox", ("moe_front_jax.parallel", "moe_front_jax.mailbox"), False),
+    ("plan", ("moe_front_jax.planner",), False),
+    ("stage table", ("moe_front_jax.registry",), False),
+    ("kernels", ("moe_front_jax.pallas", "moe_front_jax.bridge"), True),
+    ("base", ("moe_front_jax.config", "moe_front_jax.configs", "moe_front_jax.params",
+              "moe_front_jax.reference"), True),
+)
+"""(name, module prefixes, whether modules of the layer may import each other)."""
+
+
+def layer(module: str) -> int:
+    """The index in ``LAYERS`` of ``module``'s layer (the package itself is the top)."""
+    if module == "moe_front_jax":
+        return 0
+    for index, (_, prefixes, _) in enumerate(LAYERS[1:], 1):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return index
+    raise AssertionError(f"{module} is in no layer of LAYERS")
 
 
 def modules() -> dict[str, Path]:
@@ -72,7 +95,7 @@ def runtime_strings() -> dict[str, set[str]]:
 
     targets = {"moe_front_jax.registry": set(), "moe_front_jax": set()}
     for stage in registry.STAGES.values():
-        for value in (stage.reference, stage.kernel, stage.auto, stage.covers):
+        for value in (stage.reference, stage.kernel, stage.auto, stage.covers, stage.selects):
             if value and ":" in value:
                 targets["moe_front_jax.registry"].add(value.split(":")[0])
     for name, module in moe_front_jax._PUBLIC.items():
@@ -116,7 +139,7 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_walk_sees_every_kind_of_edge(graph):
     # A static import, an import inside a function, and registry's importlib strings.
     assert "moe_front_jax.registry" in graph["moe_front_jax.api"]
-    assert "moe_front_jax.bridge.peer_mailbox" in graph["moe_front_jax.mailbox"]
+    assert "moe_front_jax.bridge.peer_mailbox" in graph["moe_front_jax.planner"]
     assert "moe_front_jax.pallas.route" in graph["moe_front_jax.registry"]
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
@@ -126,20 +149,24 @@ def test_no_import_cycle(graph):
     assert cycle(graph) is None, " -> ".join(cycle(graph))
 
 
-def test_kernels_import_only_kernels_and_the_base(graph):
-    wrong = {
-        (source, target)
-        for source, targets in graph.items() if source.startswith(KERNELS)
-        for target in targets if not target.startswith(KERNELS + BASE)
-    }
-    assert not wrong, f"kernels importing the API, the dispatcher or the mailbox state: {sorted(wrong)}"
+def upward(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """The edges of ``graph`` that point up a layer, or across one that keeps its modules apart."""
+    return sorted(
+        (source, target) for source, targets in graph.items() for target in targets
+        if layer(target) < layer(source)
+        or (layer(target) == layer(source) and not LAYERS[layer(source)][2])
+    )
 
 
-def test_the_base_imports_only_the_base(graph):
-    base = BASE + ("moe_front_jax.params",)
-    wrong = {
-        (source, target)
-        for source, targets in graph.items() if source.startswith(base)
-        for target in targets if not target.startswith(base)
-    }
-    assert not wrong, sorted(wrong)
+def test_every_edge_points_down_a_layer(graph):
+    wrong = upward(graph)
+    assert not wrong, f"imports that point up or across a layer: {wrong}"
+
+
+def test_the_layer_rule_sees_an_upward_edge():
+    assert upward({"moe_front_jax.pallas.route": {"moe_front_jax.planner"}})
+    assert upward({"moe_front_jax.parallel": {"moe_front_jax.api"}})
+    assert upward({"moe_front_jax.mailbox": {"moe_front_jax.parallel"}})
+    assert upward({"moe_front_jax.registry": {"moe_front_jax.planner"}})
+    assert not upward({"moe_front_jax.pallas.route": {"moe_front_jax.pallas.gemm.schedule"},
+                       "moe_front_jax.api": {"moe_front_jax.planner", "moe_front_jax.params"}})

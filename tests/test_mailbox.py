@@ -247,6 +247,12 @@ def test_eager_call_donates_the_mailbox(small_params):
     assert box.buffer.is_deleted() and box.control.is_deleted()
     assert int(out.status) == 0
     assert_armed(new_box, 1)
+    # The donated mailbox passed again: a ValueError that says what happened and what to pass.
+    with pytest.raises(ValueError, match="mailbox's arrays were deleted.*pass the Mailbox that call "
+                                         "returned"):
+        mf.moe_front(rows_of(SMALL, 2, seed=5), small_params, mailbox=box)
+    out, _ = mf.moe_front(rows_of(SMALL, 2, seed=5), small_params, mailbox=new_box)
+    assert int(out.status) == 0
 
 
 def test_negative_zero_rows_are_not_the_sentinel():

@@ -59,6 +59,29 @@ def test_module_called_eagerly():
     assert_outputs_equal(mf.nn.MoEFront(CFG, weights=weights)(x), reference_front(x, mf.pack_params(weights, CFG)))
 
 
+def test_module_takes_permute_and_a_mailbox_as_moe_front_does():
+    """``front(x, permute=True)`` returns ``moe_front``'s dispatch; with a mailbox, the pair
+    ``(FrontOutput, Mailbox)``, the same bits as ``moe_front`` with its own mailbox."""
+    weights = mf.init_weights(jax.random.key(0), CFG)
+    front, params = mf.nn.MoEFront(CFG, weights=weights), mf.pack_params(weights, CFG)
+    x = rows(5)
+    direct = jax.jit(functools.partial(mf.moe_front, permute=True, backend="xla"))
+    want = direct(x, params)
+    got = nnx.jit(lambda m, x: m(x, permute=True), graph_updates=False)(front, x)
+    assert_outputs_equal(got, want)
+    for a, b in zip(got.dispatch, want.dispatch):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    boxed = nnx.jit(lambda m, x, box: m(x, plan=True, permute=True, mailbox=box),
+                    graph_updates=False)
+    box = mf.Mailbox.create(CFG, capacity=8)
+    for _ in range(2):
+        out, box = boxed(front, x, box)
+        assert isinstance(box, mf.Mailbox)
+        assert_outputs_equal(out, reference_front(x, params, plan=True))
+        for a, b in zip(out.dispatch, want.dispatch):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def assert_weights_equal(got, want):
     """``got`` holds exactly ``want``: the same keys, shapes, dtypes and bits."""
     assert set(got) == set(want)

@@ -366,6 +366,24 @@ def test_interpret_kernels_under_shard_map():
 
 
 @needs_kernels
+def test_kernels_under_a_shard_map_that_checks_vma_are_a_value_error():
+    """With the default ``check_vma=True``, a kernel's output has no varying-axes type: the call is
+    a ValueError that says to pass ``check_vma=False`` (the reference, ``"xla"``, runs there)."""
+    mesh = tp_mesh(2)
+    params = mf.shard_params(weights(CFG), CFG, mesh)
+    specs = jax.tree.map(lambda a: a.sharding.spec, params)
+    out_specs = mf.FrontOutput(P(), P(), P(), P(), P(), P(), P())
+    step = jax.shard_map(functools.partial(mf.moe_front, axis_name="tp", backend="interpret"),
+                         mesh=mesh, in_specs=(P(), specs), out_specs=out_specs)
+    with pytest.raises(ValueError, match="backend='interpret' runs Pallas kernels.*pass "
+                                         "check_vma=False to the enclosing jax.shard_map"):
+        jax.jit(step)(rows(CFG), params)
+    step = jax.shard_map(functools.partial(mf.moe_front, axis_name="tp", backend="xla"),
+                         mesh=mesh, in_specs=(P(), specs), out_specs=out_specs)
+    np.testing.assert_array_equal(jax.jit(step)(rows(CFG), params).ids, unsharded(CFG)["ids"])
+
+
+@needs_kernels
 @pytest.mark.parametrize("shared_reduce", ["psum", "psum_scatter"])
 def test_sharded_pallas_front_lowers_for_8_h200s(shared_reduce):
     """The Pallas kernels under shard_map get through the GPU lowering, for a mesh of 8 H200s."""

@@ -409,22 +409,48 @@ def test_inside_callers_shard_map_every_rank_has_the_same_dispatch():
                 np.testing.assert_array_equal(g[rank, path], np.asarray(w))
 
 
-def test_data_parallel_groups_hold_their_own_rows_dispatch():
-    """A ``(data 2, tp 4)`` mesh: group g's part of ``order``/``inverse`` (and of ``group_sizes``)
-    is the dispatch of its own 3 rows."""
-    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("data", "tp"))
+def readme_layer(front, gate_up, down, k):
+    """The README's recipe over ``front``'s dispatch: gather the latent by ``order // K``, two
+    ``ragged_dot``s over ``group_sizes``, back to (token, rank) by ``inverse``, weighted sum."""
+    d = front.dispatch
+    latent = front.latent.shape[1]
+    grouped = front.latent[d.order // k]
+    h = jax.lax.ragged_dot(grouped, gate_up, d.group_sizes, preferred_element_type=jnp.float32)
+    g, u = jnp.split(h, 2, axis=-1)
+    y = jax.lax.ragged_dot((jax.nn.silu(g) * u).astype(jnp.bfloat16), down, d.group_sizes,
+                           preferred_element_type=jnp.float32)
+    per_slot = y[d.inverse].reshape(-1, k, latent)
+    return jnp.einsum("bk,bkl->bl", front.weights.astype(jnp.float32), per_slot)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("shape, names", [((2, 4), ("data", "tp")), ((2, 2, 2), ("tp", "data", "seq"))])
+def test_data_parallel_mesh_gives_the_global_dispatch(shape, names, backend):
+    """Over a mesh with data-parallel axes beside ``"tp"``, ``FrontOutput.dispatch`` is global:
+    ``order``/``inverse`` over all ``B * K`` slots and ``group_sizes`` ``[E]``, the unsharded call's
+    bits (the stable sort of the global ids); the README's recipe over it gives the unsharded
+    layer's output."""
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(shape), names)
     params = mf.shard_params(weights_of(SHARDED), SHARDED, mesh)
-    x = rows(SHARDED, 6)
-    got = jax.jit(functools.partial(mf.moe_front, permute=True))(x, params)
+    x = rows(SHARDED, 8)
+    call = jax.jit(functools.partial(mf.moe_front, permute=True, backend=backend))
+    got = call(x, params)
+    want = jax.jit(functools.partial(mf.moe_front, permute=True))(
+        x, mf.pack_params(weights_of(SHARDED), SHARDED))
     k, e = SHARDED.top_k, SHARDED.experts
-    assert got.dispatch.order.shape == (6 * k,) and got.dispatch.group_sizes.shape == (2 * e,)
-    ids = np.asarray(got.ids)
-    for g in range(2):
-        want = reference_permutation(jnp.asarray(ids[3 * g:3 * g + 3]), SHARDED)
-        part = (got.dispatch.order[3 * k * g:3 * k * (g + 1)],
-                got.dispatch.group_sizes[e * g:e * (g + 1)],
-                got.dispatch.inverse[3 * k * g:3 * k * (g + 1)])
-        assert_bits_equal(part, want)
+    assert got.dispatch.order.shape == (8 * k,) and got.dispatch.group_sizes.shape == (e,)
+    assert_bits_equal((got.ids, *got.dispatch), (want.ids, *want.dispatch))
+    assert_bits_equal(got.dispatch, reference_permutation(want.ids, SHARDED))
+    order, inverse = np.asarray(got.dispatch.order), np.asarray(got.dispatch.inverse)
+    np.testing.assert_array_equal(order[inverse], np.arange(8 * k))
+
+    k1, k2 = jax.random.split(jax.random.key(2))
+    latent, inner = SHARDED.latent, 16
+    gate_up = (jax.random.normal(k1, (e, latent, 2 * inner)) / latent**0.5).astype(jnp.bfloat16)
+    down = (jax.random.normal(k2, (e, inner, latent)) / inner**0.5).astype(jnp.bfloat16)
+    layer = jax.jit(functools.partial(readme_layer, k=k))
+    np.testing.assert_array_equal(np.asarray(layer(got, gate_up, down)),
+                                  np.asarray(layer(want, gate_up, down)))
 
 
 # --- on the GPU ----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ shapes, weights correctly rounded on a row at a bf16 midpoint, the dispatch orde
 routing and from given ids, below, at and past 64 slots); what it does not cover; lowering for an H200
 from the CPU host; on a GPU against the XLA reference on the same device."""
 
+import dataclasses
 import functools
 
 import jax
@@ -218,6 +219,10 @@ def test_covers_and_errors():
     bias = jnp.zeros((K3.experts,), jnp.float32)
     with pytest.raises(ValueError, match="cfg must be a FrontConfig"):
         mr.route(jnp.zeros((2, 896), jnp.float32), bias, None)
+    for extra in (dict(groups=8, topk_groups=4), dict(scoring="softmax", bias=False)):
+        grouped = dataclasses.replace(K3, **extra)
+        with pytest.raises(NotImplementedError, match="ranks sigmoid \\+ bias over all experts"):
+            mr.route(jnp.zeros((1, 896), jnp.float32), bias, grouped)
     e100 = mf.FrontConfig(hidden=256, experts=100, top_k=6, latent=128, shared=0)
     with pytest.raises(NotImplementedError, match="experts=100 is not a multiple of 32"):
         mr.route(jnp.zeros((1, 100), jnp.float32), jnp.zeros((100,), jnp.float32), e100)

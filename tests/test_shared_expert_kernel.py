@@ -15,10 +15,12 @@ import moe_front_jax as mf
 import moe_front_jax.pallas.shared_expert as shared_stage
 from moe_front_jax import registry, reference
 from moe_front_jax.params import rank_slices
-from moe_front_jax.pallas.shared_expert import triton as se
+from moe_front_jax.pallas.shared_expert import kernel as se
 from moe_front_jax.pallas.shared_expert import tma as st
-from moe_front_jax.pallas.gemm import mosaic
-from moe_front_jax.pallas.gemm.schedule import GemmConfig as G
+from moe_front_jax.pallas.shared_expert import triton as stt
+from moe_front_jax.pallas.gemm import mosaic, schedule
+from moe_front_jax.pallas.gemm.schedule import GridConfig as Grid
+from moe_front_jax.pallas.gemm.schedule import VectorConfig as Vec
 from h200 import H200, lower_for_h200
 import oracle
 
@@ -40,23 +42,19 @@ def exact_operands(batch, s_r, hidden, seed):
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def gate_up_interpret(x, gate_up, *, config):
-    return se.gate_up_situ(x, gate_up, 4.0, 25.0, interpret=True, config=config)
+    return stt.gate_up_situ(x, gate_up, 4.0, 25.0, interpret=True, config=config)
 
 
 # (batch, S_r, config): split-K and single-pass, B below / at / above 16, S_r a multiple of the tile
 # (K3 at tp8: 768) and not (an S_r of 80 against 32-row tiles: the last tile runs past both blocks);
-# the vector schedule at B = 1 and at its largest batch, 8, with a ragged last tile; stream-K with
-# runs shorter than a tile (7 programs over 3 ragged tiles of 8 steps) and longer (5 programs over
-# 24 tiles of 2 steps: runs over several tiles).
+# the vector schedule at B = 1 and at its largest batch, 8, with a ragged last tile.
 GATE_UP_CASES = [
-    (1, 768, G(32, 64, 2, 4, 3)),
-    (16, 768, G(64, 128, 1, 4, 2)),
-    (37, 80, G(32, 64, 4, 4, 2)),
-    (3, 80, G(16, 32, 1, 4, 2)),
-    (37, 80, G(32, 32, 1, 4, 2, programs=7)),
-    (16, 768, G(32, 128, 1, 4, 2, programs=5)),
-    (1, 768, G(16, 64, 1, 4, 1, vector=True)),
-    (8, 80, G(32, 128, 1, 2, 1, vector=True)),
+    (1, 768, Grid(32, 64, 2, 4, 3)),
+    (16, 768, Grid(64, 128, 1, 4, 2)),
+    (37, 80, Grid(32, 64, 4, 4, 2)),
+    (3, 80, Grid(16, 32, 1, 4, 2)),
+    (1, 768, Vec(16, 64, 4)),
+    (8, 80, Vec(32, 128, 2)),
 ]
 
 
@@ -77,12 +75,10 @@ def test_interpret_gate_up_situ_matches_reference_exactly(batch, s_r, config):
 
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("batch, rows, depth, config", [
-    (5, 256, 768, G(32, 64, 3, 4, 2)),
-    (20, 80, 96, G(32, 32, 1, 4, 2)),
-    (5, 256, 768, G(32, 64, 1, 4, 2, programs=13)),
-    (20, 80, 96, G(16, 32, 1, 4, 2, programs=4)),
-    (5, 256, 768, G(8, 256, 1, 4, 1, vector=True)),
-    (2, 80, 96, G(32, 32, 1, 4, 1, vector=True)),
+    (5, 256, 768, Grid(32, 64, 3, 4, 2)),
+    (20, 80, 96, Grid(32, 32, 1, 4, 2)),
+    (5, 256, 768, Vec(8, 256, 4)),
+    (2, 80, 96, Vec(32, 32, 4)),
 ])
 def test_interpret_down_matches_float64_exactly(out_dtype, batch, rows, depth, config):
     """Small-integer hidden and down (rows scaled by powers of two): the float32 product is exact."""
@@ -90,7 +86,7 @@ def test_interpret_down_matches_float64_exactly(out_dtype, batch, rows, depth, c
     h = jnp.asarray(rng.integers(-8, 9, (batch, depth)), jnp.bfloat16)
     d = rng.integers(-3, 4, (rows, depth)) * np.exp2(rng.integers(-6, 7, (rows, 1)))
     d = jnp.asarray(d, jnp.bfloat16)
-    call = jax.jit(lambda h, d: se.down_proj(h, d, out_dtype, interpret=True, config=config))
+    call = jax.jit(lambda h, d: stt.down_proj(h, d, out_dtype, interpret=True, config=config))
     got = call(h, d)
     want = (np.asarray(h, np.float64) @ np.asarray(d, np.float64).T).astype(np.float32)
     assert got.dtype == out_dtype and got.shape == (batch, rows)
@@ -107,16 +103,14 @@ def assert_close_to_float64(got, want, tol):
 
 
 @pytest.mark.parametrize("tp, batch, config, out_dtype", [
-    (8, 37, se.SharedExpertConfig(G(64, 64, 2, 4, 2), G(64, 128, 2, 4, 2)), jnp.float32),
-    (1, 3, se.SharedExpertConfig(G(128, 128, 1, 4, 2), G(64, 256, 2, 4, 2)), jnp.bfloat16),
-    (8, 2, se.SharedExpertConfig(G(8, 128, 1, 4, 1, vector=True), G(16, 32, 1, 4, 1, vector=True)),
+    (8, 37, se.SharedExpertConfig(Grid(64, 64, 2, 4, 2), Grid(64, 128, 2, 4, 2)), jnp.float32),
+    (1, 3, se.SharedExpertConfig(Grid(128, 128, 1, 4, 2), Grid(64, 256, 2, 4, 2)), jnp.bfloat16),
+    (8, 2, se.SharedExpertConfig(Vec(8, 128, 4), Vec(16, 32, 4)),
      jnp.float32),
-    (1, 64, se.SharedExpertConfig(G(64, 64, 1, 8, 2, programs=132), G(64, 64, 1, 4, 2, programs=132)),
-     jnp.bfloat16),
 ])
 def test_interpret_shared_expert_matches_reference_and_float64(tp, batch, config, out_dtype):
     """Both kernels split K at tp8 (the float32 partial moe_front reduces); bfloat16 out at tp1; both
-    on the vector schedule at tp8; both on stream-K over 132 programs at tp1 (tp1 B=64's shape)."""
+    on the vector schedule at tp8."""
     cfg = dataclasses.replace(K3, hidden=SMALL_HIDDEN, tp=tp)
     weights = mf.init_weights(jax.random.key(tp), cfg)
     _, gate_up, down = rank_slices(weights, cfg, tp - 1, cfg.experts_per_rank)
@@ -205,12 +199,13 @@ def test_lowers_for_h200_as_two_kernels(tp):
             text = lower_for_h200(fn, x, gate_up, down)
             assert kernel_count(text) == 2, (tp, batch)
             assert "stablehlo.dot_general" not in text, (tp, batch)
-            partials = ((c.gate_up.tma and c.gate_up.split_k > 1)
-                        or (c.down.tma and (c.down.split_k > 1 or out_dtype == jnp.float32)))
+            gate_up_tma, down_tma = (isinstance(k, st.TmaConfig) for k in (c.gate_up, c.down))
+            partials = ((gate_up_tma and c.gate_up.split_k > 1)
+                        or (down_tma and (c.down.split_k > 1 or out_dtype == jnp.float32)))
             if not partials:
                 for op in ("stablehlo.convert", "stablehlo.slice"):
                     assert op not in text, (tp, batch, op)
-            if c.gate_up.tma and c.gate_up.split_k > 1 and not c.down.tma:
+            if gate_up_tma and c.gate_up.split_k > 1 and not down_tma:
                 # The Triton down reads hidden as the split TMA gate/up's partials lie.
                 assert "stablehlo.transpose" not in text, (tp, batch)
 
@@ -222,7 +217,7 @@ def test_vector_schedule_lowers_for_h200_as_two_kernels(tp):
     s_r = cfg.shared_per_rank
     gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
     down = jnp.zeros((K3.hidden, s_r), jnp.bfloat16)
-    config = se.SharedExpertConfig(G(2, 512, 1, 4, 1, vector=True), G(8, 256, 1, 4, 1, vector=True))
+    config = se.SharedExpertConfig(Vec(2, 512, 4), Vec(8, 256, 4))
     for batch in (1, 8):
         x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
         fn = functools.partial(se.shared_expert, cfg=cfg, out_dtype=jnp.float32, config=config)
@@ -232,36 +227,37 @@ def test_vector_schedule_lowers_for_h200_as_two_kernels(tp):
             assert op not in text, (tp, batch, op)
 
 
-@pytest.mark.parametrize("tp", [1, 8])
-def test_stream_k_lowers_for_h200_as_two_kernels(tp):
-    """Stream-K: two Triton kernels, one program per SM each, beside the zeroed counters; no XLA
-    dot, cast or slice."""
-    cfg = K3.with_tp(tp)
-    s_r = cfg.shared_per_rank
-    gate_up = jnp.zeros((2 * s_r, K3.hidden), jnp.bfloat16)
-    down = jnp.zeros((K3.hidden, s_r), jnp.bfloat16)
-    config = se.SharedExpertConfig(G(64, 128, 1, 8, 4, programs=132), G(64, 64, 1, 4, 6, programs=132))
-    for batch in (16, 64):
-        x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
-        fn = functools.partial(se.shared_expert, cfg=cfg, out_dtype=jnp.bfloat16, config=config)
-        text = lower_for_h200(fn, x, gate_up, down)
-        assert text.count("__gpu$xla.gpu.triton") == 2, (tp, batch)
-        assert text.count("grid_x = 132") == 2, (tp, batch)
-        for op in ("stablehlo.convert", "stablehlo.slice", "stablehlo.dot_general"):
-            assert op not in text, (tp, batch, op)
+def test_table_entries_name_their_implementation():
+    """Each kernel's config of a table entry names its implementation; the shared expert loads the
+    Triton grid and vector schedules and the TMA one, and no other (no stream-K)."""
+    grid = {"implementation": "triton_grid", "block_rows": 64, "block_k": 64, "split_k": 2,
+            "num_warps": 4, "num_stages": 6}
+    tma = {"implementation": "mosaic_tma", "block_rows": 64, "block_k": 128, "split_k": 1,
+           "num_stages": 4, "batch_m": False}
+    config = se.SharedExpertConfig.from_json({"gate_up": tma, "down": grid})
+    assert config == se.SharedExpertConfig(st.TmaConfig(64, 128, 1, 4), Grid(64, 64, 2, 4, 6))
+    assert config.implementation == "gate_up=mosaic_tma, down=triton_grid"
+    stream_k = {"implementation": "triton_stream_k", "block_rows": 64, "block_k": 64,
+                "num_warps": 4, "num_stages": 6, "programs": 132}
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        se.SharedExpertConfig.from_json({"gate_up": tma, "down": stream_k})
+    for kind in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+        for entry in se.tuning_entries(kind, "shared_expert").values():
+            loaded = se.SharedExpertConfig.from_json(entry)
+            assert loaded.implementation == (f"gate_up={entry['gate_up']['implementation']}, "
+                                             f"down={entry['down']['implementation']}")
 
 
-def test_stream_k_config_errors():
-    """The checks live in GemmConfig (test_front_gemm_kernel tests them through FrontGemmConfig):
-    here, that their messages name GemmConfig, and that a table entry round-trips ``programs``."""
-    with pytest.raises(ValueError, match="GemmConfig.split_k must be 1, got 2"):
-        G(32, 64, 2, 4, 3, programs=132)
-    with pytest.raises(ValueError, match="GemmConfig.programs must be an int >= 0, got -1"):
-        G(32, 64, 1, 4, 3, programs=-1)
-    entry = {"gate_up": dataclasses.asdict(G(64, 128, 1, 8, 4, programs=132)),
-             "down": dataclasses.asdict(G(64, 64, 2, 4, 6))}
-    config = se.SharedExpertConfig.from_json(entry)
-    assert (config.gate_up.programs, config.down.programs) == (132, 0)
+def test_select_names_the_implementations_and_why():
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        tp8 = se.select(K3.with_tp(8).shared_per_rank, K3.hidden, 3)
+        heuristic = se.select(64, 256, 3)
+    assert tp8.implementation == "gate_up=mosaic_tma, down=triton_grid"
+    assert tp8.reason == "NVIDIA H200 table, batch 4"
+    assert heuristic.implementation == "gate_up=triton_grid, down=triton_grid"
+    assert heuristic.reason.startswith("heuristic")
+    assert heuristic.config == se.heuristic_config(64, 256, 3, H200.num_cores)
 
 
 @pytest.mark.parametrize("hidden", [7168, 256])
@@ -273,7 +269,7 @@ def test_heuristic_config_divides_the_problem(hidden, batch):
         c.gate_up.check_divides(hidden, "H")
         c.down.check_divides(s_r, "S_r")
         bp = 1 << max(4, (batch - 1).bit_length())
-        assert 2 * c.gate_up.num_stages * c.gate_up.block_k * (2 * c.gate_up.block_rows + bp) <= se.SMEM_BUDGET
+        assert 2 * c.gate_up.num_stages * c.gate_up.block_k * (2 * c.gate_up.block_rows + bp) <= schedule.TRITON_PIPELINE_SMEM
         if hidden == 7168:  # room to split: every SM gets a gate/up program
             assert -(-s_r // c.gate_up.block_rows) * c.gate_up.split_k >= 132
 
@@ -296,9 +292,9 @@ def test_pick_config_uses_the_table_on_h200():
             table[key].down.check_divides(s_r, "S_r")
 
 
-TMA = functools.partial(G, 64, num_warps=4, tma=True)
+TMA = functools.partial(st.TmaConfig, 64)
 """``TMA(block_k, split_k=, num_stages=)``: a TMA schedule (Mosaic GPU)."""
-BATCH_M = functools.partial(G, num_warps=4, tma=True, batch_m=True)
+BATCH_M = functools.partial(st.TmaConfig, batch_m=True)
 """``BATCH_M(block_rows, block_k, split_k=, num_stages=)``: a TMA schedule with the batch as
 wgmma's M."""
 
@@ -324,7 +320,7 @@ def test_interpret_tma_gate_up_situ_matches_reference_exactly(batch, s_r, config
     """The TMA gate/up in Mosaic GPU's interpret mode: bit for bit reference.situ of the exact
     bfloat16 gate and up, as the Triton schedules."""
     x, w = exact_operands(batch, s_r, SMALL_HIDDEN, seed=batch)
-    hidden = jax.jit(lambda x, w: se.gate_up_situ(x, w, 4.0, 25.0, interpret=True, config=config))(
+    hidden = jax.jit(lambda x, w: st.gate_up_situ(x, w, 4.0, 25.0, interpret=True, config=config))(
         x, w)
     assert hidden.dtype == jnp.bfloat16 and hidden.shape == (batch, s_r)
     h = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
@@ -351,7 +347,7 @@ def test_interpret_tma_down_matches_float64_exactly(out_dtype, batch, rows, dept
     h = jnp.asarray(rng.integers(-8, 9, (batch, depth)), jnp.bfloat16)
     d = rng.integers(-3, 4, (rows, depth)) * np.exp2(rng.integers(-6, 7, (rows, 1)))
     d = jnp.asarray(d, jnp.bfloat16)
-    got = jax.jit(lambda h, d: se.down_proj(h, d, out_dtype, interpret=True, config=config))(h, d)
+    got = jax.jit(lambda h, d: st.down_proj(h, d, out_dtype, interpret=True, config=config))(h, d)
     want = (np.asarray(h, np.float64) @ np.asarray(d, np.float64).T).astype(np.float32)
     assert got.dtype == out_dtype and got.shape == (batch, rows)
     np.testing.assert_array_equal(np.asarray(got, np.float32),
@@ -382,14 +378,13 @@ def test_interpret_tma_shared_expert_matches_reference_and_float64(batch, split_
 
 
 # (batch, rows, depth, config): the down reading hidden transposed, [S_r, Bp] (Bp = B rounded up to
-# 8), on the grid (K whole and split) and stream-K schedules, which pad it to their batch tile (a power
-# of two >= 16): B = 3 (Bp = 8, tile 16), 13 (16, 16), 21 (24, 32), 8 (8, 16).
+# 8), on the grid schedule (K whole and split), which pads it to its batch tile (a power of two >= 16): B = 3 (Bp = 8, tile 16), 13 (16, 16), 21 (24, 32), 8 (8, 16).
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("batch, rows, depth, config", [
-    (3, 128, 256, G(32, 64, 1, 4, 2)),
-    (13, 96, 256, G(32, 64, 2, 4, 2)),
-    (21, 64, 256, G(32, 64, 1, 4, 2)),
-    (8, 64, 512, G(16, 128, 1, 4, 2, programs=5)),
+    (3, 128, 256, Grid(32, 64, 1, 4, 2)),
+    (13, 96, 256, Grid(32, 64, 2, 4, 2)),
+    (21, 64, 256, Grid(32, 64, 1, 4, 2)),
+    (8, 64, 512, Grid(16, 128, 1, 4, 2)),
 ])
 def test_interpret_down_from_transposed_hidden_matches_float64_exactly(out_dtype, batch, rows,
                                                                        depth, config):
@@ -401,13 +396,13 @@ def test_interpret_down_from_transposed_hidden_matches_float64_exactly(out_dtype
                     jnp.bfloat16)
     bp = -(-batch // 8) * 8
     h_t = jnp.asarray(np.pad(h, ((0, bp - batch), (0, 0))).T, jnp.bfloat16)
-    got = jax.jit(lambda h_t, d: se.down_proj_t(h_t, d, batch, out_dtype, interpret=True,
-                                                config=config))(h_t, d)
+    got = jax.jit(lambda h_t, d: stt.down_proj_t(h_t, d, batch, out_dtype, interpret=True,
+                                                 config=config))(h_t, d)
     want = (h.astype(np.float64) @ np.asarray(d, np.float64).T).astype(np.float32)
     assert got.dtype == out_dtype and got.shape == (batch, rows)
     np.testing.assert_array_equal(np.asarray(got, np.float32),
                                   want.astype(out_dtype).astype(np.float32))
-    plain = se.down_proj(jnp.asarray(h, jnp.bfloat16), d, out_dtype, interpret=True, config=config)
+    plain = stt.down_proj(jnp.asarray(h, jnp.bfloat16), d, out_dtype, interpret=True, config=config)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
 
 
@@ -424,17 +419,17 @@ def test_interpret_tma_split_gate_up_hands_the_down_hidden_transposed(batch, bat
     x = jax.random.normal(jax.random.key(batch), (batch, SMALL_HIDDEN)).astype(jnp.bfloat16)
     gate_up_config = (BATCH_M(32, 64, split_k=2, num_stages=2) if batch_m else
                       TMA(64, split_k=2, num_stages=2))
-    config = se.SharedExpertConfig(gate_up_config, G(64, 64, 1, 4, 2))
+    config = se.SharedExpertConfig(gate_up_config, Grid(64, 64, 1, 4, 2))
     h_t = st.gate_up_situ_t(x, gate_up, cfg.situ_beta, cfg.linear_beta, config=config.gate_up,
                             interpret=True)
-    h = se.gate_up_situ(x, gate_up, cfg.situ_beta, cfg.linear_beta, interpret=True,
+    h = st.gate_up_situ(x, gate_up, cfg.situ_beta, cfg.linear_beta, interpret=True,
                         config=config.gate_up)
     bp = -(-batch // 8) * 8
     assert h_t.shape == (cfg.shared, bp) and h_t.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(h_t[:, :batch].T, np.float32), np.asarray(h, np.float32))
     assert not np.asarray(h_t[:, batch:], np.float32).any()
     got = se.shared_expert(x, gate_up, down, cfg, jnp.float32, interpret=True, config=config)
-    want = se.down_proj(h, down, jnp.float32, interpret=True, config=config.down)
+    want = stt.down_proj(h, down, jnp.float32, interpret=True, config=config.down)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert_close_to_float64(got, oracle.shared_expert(x, gate_up, down), 1e-2)
 
@@ -496,33 +491,32 @@ def test_tma_kernels_launch_with_pdl(monkeypatch, launch_with_pdl):
 
 
 def test_tma_config_and_request_errors():
-    """A TMA schedule is 64 rows (with ``batch_m``: a multiple of 8 up to 256), one warpgroup, two
-    stages or more; a request it does not cover is a NotImplementedError that says so."""
-    for bad in (dict(block_rows=128), dict(num_warps=8), dict(num_stages=1), dict(programs=132)):
-        args = dict(block_rows=64, block_k=128, split_k=1, num_warps=4, num_stages=4) | bad
-        with pytest.raises(ValueError, match="the TMA schedule is one warpgroup per 64 rows"):
-            G(**args, tma=True)
-    with pytest.raises(ValueError, match="GemmConfig.tma must be a bool, got 1"):
-        G(64, 128, 1, 4, 4, tma=1)
-    with pytest.raises(ValueError, match="GemmConfig.batch_m must be a bool, got 1"):
-        G(48, 128, 1, 4, 4, tma=True, batch_m=1)
-    for rows, tma in ((48, False), (20, True), (0, True), (264, True)):
-        with pytest.raises(ValueError,
-                           match=f"batch_m is a TMA schedule .* got GemmConfig\\(block_rows={rows},"):
-            G(rows, 128, 1, 4, 4, tma=tma, batch_m=True)
-    assert G(256, 128, 1, 4, 2, tma=True, batch_m=True).block_rows == 256
-    entry = {"gate_up": dataclasses.asdict(TMA(128, split_k=1, num_stages=4)),
-             "down": dataclasses.asdict(G(64, 64, 2, 4, 6))}
-    config = se.SharedExpertConfig.from_json(entry)
-    assert (config.gate_up.tma, config.down.tma) == (True, False)
+    """A TMA schedule is 64 rows (with ``batch_m``: a multiple of 8 up to 256) and two stages or
+    more; a request it does not cover is a NotImplementedError that says so."""
+    with pytest.raises(ValueError, match="TmaConfig.block_rows must be 64"):
+        st.TmaConfig(128, 128, 1, 4)
+    with pytest.raises(ValueError, match="TmaConfig.num_stages must be an int >= 2, got 1"):
+        st.TmaConfig(64, 128, 1, 1)
+    with pytest.raises(ValueError, match="TmaConfig.batch_m must be a bool, got 1"):
+        st.TmaConfig(48, 128, 1, 4, batch_m=1)
+    for rows in (20, 0, 264):
+        with pytest.raises(ValueError, match=f"block_rows with batch_m .* got {rows}"):
+            st.TmaConfig(rows, 128, 1, 4, batch_m=True)
+    assert st.TmaConfig(256, 128, 1, 2, batch_m=True).block_rows == 256
+    with pytest.raises(ValueError, match="config must be a TmaConfig"):
+        st.down_proj(jnp.zeros((2, 128), jnp.bfloat16), jnp.zeros((64, 128), jnp.bfloat16),
+                     config=Grid(64, 64, 1, 4, 2))
+    with pytest.raises(ValueError, match="config must be a GridConfig or VectorConfig"):
+        stt.down_proj(jnp.zeros((2, 128), jnp.bfloat16), jnp.zeros((64, 128), jnp.bfloat16),
+                      config=TMA(64, split_k=1, num_stages=2))
     x, h = jnp.zeros((65, 256), jnp.bfloat16), jnp.zeros((2, 128), jnp.bfloat16)
     two_stages = TMA(64, split_k=1, num_stages=2)
     with pytest.raises(NotImplementedError, match="covers B <= 64, got B=65"):
-        se.gate_up_situ(x, jnp.zeros((256, 256), jnp.bfloat16), 4.0, 25.0, config=two_stages)
+        st.gate_up_situ(x, jnp.zeros((256, 256), jnp.bfloat16), 4.0, 25.0, config=two_stages)
     with pytest.raises(NotImplementedError, match="rows a multiple of block_rows=64, got 96"):
-        se.gate_up_situ(x[:2], jnp.zeros((192, 256), jnp.bfloat16), 4.0, 25.0, config=two_stages)
+        st.gate_up_situ(x[:2], jnp.zeros((192, 256), jnp.bfloat16), 4.0, 25.0, config=two_stages)
     with pytest.raises(ValueError, match="needs K divisible by split_k \\* block_k = 256"):
-        se.down_proj(h, jnp.zeros((64, 128), jnp.bfloat16), config=TMA(128, split_k=2,
+        st.down_proj(h, jnp.zeros((64, 128), jnp.bfloat16), config=TMA(128, split_k=2,
                                                                         num_stages=2))
 
 
@@ -541,14 +535,14 @@ def test_errors():
     with pytest.raises(ValueError, match="x is an empty batch"):
         se.shared_expert(x[:0], gu, d, cfg)
     with pytest.raises(ValueError, match="needs K divisible by split_k"):
-        se.shared_expert(x, gu, d, cfg, config=se.SharedExpertConfig(G(32, 64, 2, 4, 2), G(32, 16, 1, 4, 2)))
+        se.shared_expert(x, gu, d, cfg, config=se.SharedExpertConfig(Grid(32, 64, 2, 4, 2), Grid(32, 16, 1, 4, 2)))
     with pytest.raises(ValueError, match="must be a SharedExpertConfig"):
-        se.shared_expert(x, gu, d, cfg, config=G(32, 16, 1, 4, 2))
+        se.shared_expert(x, gu, d, cfg, config=Grid(32, 16, 1, 4, 2))
     with pytest.raises(NotImplementedError, match="B <= 256 .* backend='xla'"):
         se.shared_expert(jnp.zeros((257, 64), jnp.bfloat16), gu, d, cfg)
     with pytest.raises(NotImplementedError, match="multiples of 16"):
         se.shared_expert(x[:, :40], gu[:, :40], d[:40], cfg)
-    vector = se.SharedExpertConfig(G(4, 64, 1, 4, 1, vector=True), G(4, 64, 1, 4, 1, vector=True))
+    vector = se.SharedExpertConfig(Vec(4, 64, 4), Vec(4, 64, 4))
     with pytest.raises(ValueError, match="covers B <= 8, got B=9"):
         se.shared_expert(jnp.zeros((9, 64), jnp.bfloat16), gu, d, cfg, config=vector)
 
@@ -586,7 +580,7 @@ def test_gpu_vector_schedule_matches_float64(tp):
     """The vector schedule at the batches it covers, to the same bound."""
     cfg = K3.with_tp(tp)
     _, gate_up, down = rank_slices(k3_weights(), cfg, tp - 1, cfg.experts_per_rank)
-    config = se.SharedExpertConfig(G(2, 512, 1, 4, 1, vector=True), G(8, 256, 1, 4, 1, vector=True))
+    config = se.SharedExpertConfig(Vec(2, 512, 4), Vec(8, 256, 4))
     for batch in (1, 2, 8):
         x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
         want = oracle.shared_expert(x, gate_up, down)

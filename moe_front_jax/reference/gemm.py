@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from moe_front_jax.config import FrontConfig
+from moe_front_jax.reference.dot import rows_dot
 from moe_front_jax.reference.plan import mxfp8_plan
 from moe_front_jax.reference.shared import shared_hidden
 
@@ -29,7 +29,7 @@ def front_gemm(
       ``logits`` ``[B, valid]`` float32 and ``latent_shard`` ``[B, n - split]`` bfloat16, both from one
       float32-accumulated product ``x @ packed.T``.
     """
-    y = lax.dot_general(x, packed, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    y = rows_dot(x, packed)
     return y[:, :valid], y[:, split:].astype(jnp.bfloat16)
 
 

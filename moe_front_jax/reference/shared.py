@@ -1,4 +1,4 @@
-"""The shared expert (SPEC section 6): gate/up, situ, down, on one rank's slice.
+"""The shared expert (SPEC section 6): gate/up, the activation (situ or SiLU), down, on one rank's slice.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moe_front_jax.config import FrontConfig
+from moe_front_jax.reference.dot import rows_dot
 
 
 def round_to_bfloat16(y: jax.Array) -> jax.Array:
@@ -33,14 +34,28 @@ def situ(gate: jax.Array, up: jax.Array, beta: float, linear_beta: float) -> jax
     return (g * u).astype(jnp.bfloat16)
 
 
+def silu_gate(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The SiLU-gated activation on bfloat16 ``gate`` and ``up`` (SPEC section 6), bfloat16 out:
+    ``bf16(gate * sigmoid(gate) * up)`` with the arithmetic in float32."""
+    g32 = gate.astype(jnp.float32)
+    return (g32 * jax.nn.sigmoid(g32) * up.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def activation(gate: jax.Array, up: jax.Array, cfg: FrontConfig) -> jax.Array:
+    """``cfg.activation`` on bfloat16 ``gate`` and ``up``: ``situ`` or ``silu_gate``."""
+    if cfg.activation == "silu":
+        return silu_gate(gate, up)
+    return situ(gate, up, cfg.situ_beta, cfg.linear_beta)
+
+
 def shared_hidden(x: jax.Array, gate_up: jax.Array, cfg: FrontConfig) -> jax.Array:
-    """The shared expert's first half: ``situ(bf16(x @ gate.T), bf16(x @ up.T))`` ``[B, S_r]``
+    """The shared expert's first half: ``activation(bf16(x @ gate.T), bf16(x @ up.T))`` ``[B, S_r]``
     bfloat16, from ``x`` ``[B, H]`` and ``gate_up`` ``[2 S_r, H]`` (gate rows, then up rows), float32
     accumulation."""
     s_r = gate_up.shape[0] // 2
-    h = lax.dot_general(x, gate_up, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    h = rows_dot(x, gate_up)
     gate, up = round_to_bfloat16(h[:, :s_r]), round_to_bfloat16(h[:, s_r:])
-    return situ(gate, up, cfg.situ_beta, cfg.linear_beta)
+    return activation(gate, up, cfg)
 
 
 def shared_down(
@@ -48,7 +63,7 @@ def shared_down(
 ) -> jax.Array:
     """The shared expert's second half: ``hidden @ down.T`` ``[B, H]`` in ``out_dtype`` from
     ``hidden`` ``[B, S_r]`` and ``down`` ``[H, S_r]``, float32 accumulation."""
-    out = lax.dot_general(hidden, down, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    out = rows_dot(hidden, down)
     return out.astype(out_dtype)
 
 
@@ -62,7 +77,7 @@ def shared_expert(
       x: ``[B, H]`` bfloat16.
       gate_up: ``[2 S_r, H]`` bfloat16, this rank's gate rows then its up rows (``S_r = S / tp``).
       down: ``[H, S_r]`` bfloat16, this rank's columns of the down projection.
-      cfg: supplies ``situ_beta`` and ``linear_beta``.
+      cfg: supplies ``activation``, ``situ_beta`` and ``linear_beta``.
       out_dtype: bfloat16 (the SPEC's output) or float32 (a partial sum to reduce before rounding).
 
     Returns:

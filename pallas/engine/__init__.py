@@ -1,15 +1,13 @@
 """The streaming engine: one Mosaic GPU launch streams a stack of weight row regions
-against ``x``, each with its own epilogue: the front GEMM, the merged front (front and the shared
-expert's gate/up) and the shared expert's down."""
+against ``x``, each with its own epilogue: the merged front (router, latent and the shared expert's
+gate/up) and the shared expert's down."""
 
 from moe_front_jax.pallas.engine.kernel import (
     EngineConfig,
     covers_down,
     covers_front_gate_up,
-    covers_front_gemm,
     down,
     front_gate_up,
-    front_gemm,
     heuristic_config,
 )
 
@@ -17,9 +15,7 @@ __all__ = [
     "EngineConfig",
     "covers_down",
     "covers_front_gate_up",
-    "covers_front_gemm",
     "down",
     "front_gate_up",
-    "front_gemm",
     "heuristic_config",
 ]

@@ -20,11 +20,7 @@ Cost per call (bf16 = 2 bytes; ``shard = n - split``):
   traffic; the pad writes 128 K bytes once, where XLA does not fold it into x's producer.
   FLOPs = 2 * 64 * (weight rows) * K on the tensor cores (M is 64 whatever B; 2 B per weight
   element useful): memory-bound at every B <= 64.
-Floor at the H200's 4.65 TB/s: front 13.8 us tp1, 1.73 us tp8; merged front (front + gate/up)
-51.7 us tp1, 6.5 us tp8; down 18.9 us tp1, 2.4 us tp8. Measured on an H100 (2026-12-07,
-docs/findings.md): the front 28.0-28.7 us at tp1 (27.1 at its best tiling; 41-42 at B <= 8
-before ``pad_x``), 10.2-11.4 at tp8; merged front 87-94 us at tp1 B=8; merged front, routing and
-down 131-134 us a tp1 layer (floor 103 at its 3.19 TB/s).
+Timings, and why ``"auto"`` does not run it: docs/findings.md (the engine).
 """
 
 from __future__ import annotations
@@ -44,7 +40,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from moe_front_jax import reference
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.pallas.device import core_count
+from moe_front_jax.pallas.device import READ_CEILING_TBS
 from moe_front_jax.pallas.gemm.mosaic import (
+    WGMMA_M,
+    WGMMA_MAX_N,
+    WGMMA_N_STEP,
     WGMMA_STEPS_IN_FLIGHT,
     await_inputs,
     interpret_params,
@@ -52,27 +52,24 @@ from moe_front_jax.pallas.gemm.mosaic import (
     stage_transforms,
     tma_rows,
 )
-from moe_front_jax.pallas.gemm.schedule import check_matrices
+from moe_front_jax.pallas.gemm.schedule import FOLD_K, check_matrices
 from moe_front_jax.pallas.plan.kernel import magnitude_bits, to_e4m3
+from moe_front_jax.pallas.shared_expert.triton import check_situ
 
-MAX_BATCH = 64
+MAX_BATCH = WGMMA_M
 """Largest batch: wgmma's M, ``x``'s rows as the TMA copy zero-fills them."""
-MAX_ROWS = 256
+MAX_ROWS = WGMMA_MAX_N
 """Most weight rows per CTA (per part): wgmma's largest N."""
 MAX_PAIR_ROWS = 128
 """Most gate (and as many up) rows per CTA: two ``[64, r]`` float32 accumulators take ``r``
 registers a thread."""
-ROW_STEP = 8
+ROW_STEP = WGMMA_N_STEP
 """CTA rows are a multiple of wgmma's N step."""
-FOLD_K = 2048
-"""The logits' accumulator is added into a float32 total every ``FOLD_K`` of K: one tensor-core
-chain over K3's 7168 left logits 1.8-2.4x the 1e-5 contract off (docs/findings.md, stream-K and the
-fold)."""
 MAX_SMEM = 227 * 1024
 """Shared memory a Hopper CTA may have."""
-SMEM_BUDGET = 200 * 1024
-"""The heuristic's ring stays under this (of the 227 KiB a Hopper CTA may have); the epilogue's
-buffers reuse it once the ring is drained."""
+RING_SMEM = 200 * 1024
+"""The heuristic's TMA ring stays under this (of ``MAX_SMEM``); the epilogue's buffers reuse it once
+the ring is drained."""
 LOGITS, LATENT, GATE_UP, DOWN = "logits", "latent", "gate_up", "down"
 
 
@@ -169,8 +166,8 @@ def makespan(ctas: list[tuple[int, float]], cores: int) -> float:
     return max(free)
 
 
-SM_SHARE = 4.65e6 / 132
-"""One SM's share of the H200's read rate (4.65 TB/s), bytes per us."""
+SM_SHARE = READ_CEILING_TBS * 1e6 / 132
+"""One SM's share of the read ceiling (``device.READ_CEILING_TBS``), bytes per microsecond."""
 LATENCY_US = 1.0
 """Round trip of a TMA stage under load: a ring keeps at most ``in flight / LATENCY_US`` coming."""
 CTA_OVERHEAD_US = 1.0
@@ -191,9 +188,9 @@ def _cta_time(rows: int, parts: int, depth: int, x_rows: int, block_k: int, stag
 
 
 def _stages(block_k: int, weight_rows: int, depth: int) -> int:
-    """Ring depth: as many stages as ``SMEM_BUDGET`` holds, 2 to 6, no more than K's steps."""
+    """Ring depth: as many stages as ``RING_SMEM`` holds, 2 to 6, no more than K's steps."""
     stage = 2 * block_k * (MAX_BATCH + weight_rows)
-    return max(2, min(6, SMEM_BUDGET // stage, depth // block_k))
+    return max(2, min(6, RING_SMEM // stage, depth // block_k))
 
 
 def _block_ks(depth: int) -> tuple[int, ...]:
@@ -245,9 +242,7 @@ def heuristic_config(depth: int, router: int = 0, latent: int = 0, gate_up: int 
     region is absent and keeps the default), ``block_k`` and the ring's depth; ``x`` ``[B, depth]``
     whatever B (wgmma's M is 64 rows at every B <= 64). ``pad_x`` where every CTA's weight rows
     (gate/up: both parts) are fewer than ``x``'s 64-row box, whose zero fill then sets a stage's
-    pace: on an H100 at B=8 (2026-12-07) padding took the front 41.5 -> 28.4 us at tp1 and
-    13.6 -> 11.3 at tp8, the merged front 25.7 -> 17.3 at tp8, but 91.1 -> 93.9 at tp1 (128-row
-    CTAs)."""
+    pace (docs/findings.md, ``x``'s box)."""
     chains = chains_for(depth, FOLD_K, max(_block_ks(depth), default=32))
     present = [(name, rows, parts, multiple, c) for name, rows, parts, multiple, c in (
         ("router_rows", router, 1, ROW_STEP, chains),
@@ -499,6 +494,10 @@ def _check_front(x, packed, split, valid) -> None:
     for name, value in (("split", split), ("valid", valid)):
         if type(value) is not int:
             raise ValueError(f"{name} must be a static int, got {value!r}")
+    if 0 < valid <= split == packed.shape[0]:
+        raise NotImplementedError(
+            f"packed has no latent rows (split={split} = rows): the engine streams a latent; a "
+            "front without one (latent=0) runs the reference")
     if not 0 < valid <= split < packed.shape[0]:
         raise ValueError(f"need 0 < valid <= split < rows of packed, got valid={valid}, "
                          f"split={split}, rows={packed.shape[0]}")
@@ -552,23 +551,16 @@ def _check_smem(config: EngineConfig, widest: int) -> None:
             f"over the {MAX_SMEM // 1024} KiB a CTA may have")
 
 
-def covers_front_gemm(x, packed, split, valid, *, config=None) -> None:
-    """Raise ``NotImplementedError`` where ``front_gemm`` does not cover these arguments (B > 64,
-    a region's rows that no CTA cut divides), ``ValueError`` where they are wrong."""
-    _check_config(config)
-    _check_front(x, packed, split, valid)
-    _check_depth(x.shape[1], config, "hidden")
-    _front_config(x, packed, split, valid, 0, 0, config)
-
-
 def covers_front_gate_up(x, packed, split, valid, gate_up, cfg, *, plan=False, config=None) -> None:
-    """``covers_front_gemm`` for ``front_gate_up``: also the gate/up rows, and the plan's blocks
-    (latent CTAs a multiple of ``cfg.plan_block`` rows)."""
+    """Raise ``NotImplementedError`` where ``front_gate_up`` does not cover these arguments (B > 64,
+    a region's rows that no CTA cut divides; with ``plan``, latent CTAs not a multiple of
+    ``cfg.plan_block`` rows; an activation other than situ), ``ValueError`` where they are wrong."""
     _check_config(config)
     _check_front(x, packed, split, valid)
     _check_gate_up(x, gate_up)
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
+    check_situ(cfg)
     _check_depth(x.shape[1], config, "hidden")
     if plan and shard_of(packed, split) % cfg.plan_block:
         raise ValueError(f"the latent shard's {shard_of(packed, split)} rows must be a multiple of "
@@ -619,49 +611,21 @@ def _front_regions(valid: int, split: int, shard: int, config: EngineConfig) -> 
             Region(LATENT, 0, (split,), shard, config.latent_rows, (1,))]
 
 
-def front_gemm(x, packed, split: int, valid: int, *, config: EngineConfig | None = None,
-               interpret: bool = False):
-    """Router logits and the latent shard from one pass over ``packed`` (SPEC section 3).
-
-    Args:
-      x: ``[B, H]`` bfloat16, ``1 <= B <= 64``.
-      packed: ``[split + shard, H]`` bfloat16: router rows ``[0, valid)``, zero rows up to
-        ``split`` (never read), latent rows ``[split, split + shard)``.
-      split, valid: static ints, ``0 < valid <= split``.
-      config: the tiling; None picks ``heuristic_config``.
-      interpret: run in Mosaic GPU's interpret mode (any machine).
-
-    Returns:
-      ``logits`` ``[B, valid]`` float32 and ``latent`` ``[B, shard]`` bfloat16, as
-      ``reference.front_gemm`` up to float32 summation order.
-    """
-    covers_front_gemm(x, packed, split, valid, config=config)
-    config = _front_config(x, packed, split, valid, 0, 0, config)
-    batch, shard = x.shape[0], packed.shape[0] - split
-    bp = tma_rows(batch)
-    logits, latent = _launch(
-        x, (packed,), tuple(_front_regions(valid, split, shard, config)),
-        (jax.ShapeDtypeStruct((bp, valid), jnp.float32),
-         jax.ShapeDtypeStruct((bp, shard), jnp.bfloat16)),
-        config, _Epilogue(), interpret, "engine_front_gemm")
-    return logits[:batch], latent[:batch]
-
-
 def front_gate_up(x, packed, split: int, valid: int, gate_up, cfg: FrontConfig, *,
                   plan: bool = False, config: EngineConfig | None = None,
                   interpret: bool = False):
     """The merged front: one launch over ``[router; latent; gate; up]``.
 
     Args:
-      x, packed, split, valid: as ``front_gemm``.
+      x: ``[B, H]`` bfloat16, ``1 <= B <= 64``.
+      packed: ``[split + shard, H]`` bfloat16: router rows ``[0, valid)``, rows up to ``split``
+        never read, latent rows ``[split, split + shard)``; ``split``, ``valid`` static ints.
       gate_up: ``[2 S_r, H]`` bfloat16, this rank's gate rows then its up rows.
-      cfg: supplies ``situ_beta``, ``linear_beta`` and ``plan_block``.
-      plan: also write the latent's MXFP8 plan.
+      cfg: supplies ``situ_beta``, ``linear_beta`` and ``plan_block``; ``plan``: also write the
+        latent's MXFP8 plan; ``config`` None picks ``heuristic_config``.
 
-    Returns:
-      ``(logits, latent, plan_or_None, hidden)``: ``front_gemm``'s two, the plan ``(values,
-      scales)`` or None, and ``hidden = situ(bf16(x @ gate.T), bf16(x @ up.T))`` ``[B, S_r]``
-      bfloat16.
+    Returns ``(logits [B, valid] float32, latent [B, shard] bfloat16, plan (values, scales) or
+    None, hidden [B, S_r] bfloat16)``, as the reference up to float32 summation order.
     """
     covers_front_gate_up(x, packed, split, valid, gate_up, cfg, plan=plan, config=config)
     s_r = gate_up.shape[0] // 2

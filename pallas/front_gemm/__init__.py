@@ -1,8 +1,8 @@
 """The front GEMM (SPEC section 3): router logits and the latent from one pass over the packed weight.
 
-``kernel`` holds the Pallas Triton kernels (the grid with split-K, stream-K and the vector
-schedule), their schedule lookup and the epilogues (plain, with the MXFP8 plan, or publishing into the
-mailbox).
+``kernel`` holds the Pallas Triton kernels on the three schedules of ``gemm.schedule`` (the grid
+with split-K, stream-K and the vector schedule), ``select`` (which one runs at given shapes, and
+why) and the epilogues (plain, with the MXFP8 plan, or publishing into the mailbox).
 """
 
 from moe_front_jax.pallas.front_gemm.kernel import (
@@ -17,6 +17,9 @@ from moe_front_jax.pallas.front_gemm.kernel import (
     heuristic_config,
     load_table,
     pick_config,
+    select,
+    selects,
+    selects_publish,
     table_key,
     ticket_count,
 )
@@ -33,6 +36,9 @@ __all__ = [
     "heuristic_config",
     "load_table",
     "pick_config",
+    "select",
+    "selects",
+    "selects_publish",
     "table_key",
     "ticket_count",
 ]

@@ -12,9 +12,9 @@ it (``gemm.schedule``). Router tiles cover rows ``[0, valid)`` and latent tiles 
 the padding rows are never read, a tile feeds one output, and MXFP8 blocks never straddle tiles. A
 tp8 shard's 560 rows are too few tiles for 132 SMs, so K is split (the tile's last program sums
 the partials and runs the epilogue, ``gemm.triton``) or cut stream-K; at B <= 8 the vector schedule
-needs neither (H200 tp1 B=1: 17.8 us against 20.7 for the best tensor-core one, docs/findings.md).
-Triton rather than Mosaic GPU: a pipelined K loop, small-M dots, masks and atomics are what it does
-well.
+needs neither (docs/findings.md, the vector schedule). ``select`` says which schedule runs at given
+shapes, and why. Triton rather than Mosaic GPU: a pipelined K loop, small-M dots, masks and atomics
+are what it does well.
 
 Cost per call (bf16 = 2 bytes; ``shard = n - split``):
   bytes = 2 (valid + shard) H             the weight, 64.2 MB at tp1 and 8.0 MB at tp8 for K3
@@ -22,7 +22,6 @@ Cost per call (bf16 = 2 bytes; ``shard = n - split``):
         + B shard (1 + 1 / block)         the plan, when asked for
         + 8 B (valid + shard) split_k     partials written and read back, when K is split
   FLOPs = 2 B (valid + shard) H           about B FLOP/byte: memory-bound at decode batches
-Floor on an H200 (4.65 TB/s): 13.8 us at tp1, 1.73 us at tp8.
 """
 
 from __future__ import annotations
@@ -40,25 +39,24 @@ from moe_front_jax.config import FrontConfig
 from moe_front_jax.pallas.device import tuning_entries
 from moe_front_jax.pallas.gemm import schedule
 from moe_front_jax.pallas.gemm import triton as gemm_triton
-from moe_front_jax.pallas.gemm.schedule import MIN_DOT, GemmConfig, padded_batch
+from moe_front_jax.pallas.gemm.schedule import (
+    FOLD_K,
+    MIN_DOT,
+    TRITON_CONFIGS,
+    GridConfig,
+    Selection,
+    StreamKConfig,
+    VectorConfig,
+    config_from_json,
+    padded_batch,
+)
 from moe_front_jax.pallas.plan.kernel import quantize_tile
 from moe_front_jax.reference import mailbox as mb
 
 
-@dataclasses.dataclass(frozen=True)
-class FrontGemmConfig(GemmConfig):
-    """Block shapes and schedule of the front GEMM (``gemm.schedule.GemmConfig``: the grid, stream-K
-    with ``programs``, or the vector schedule); ``block_rows`` is at least the plan block when the
-    plan is written (the kernel widens narrower tiles). The vector schedule has no plan epilogue.
-    The TMA schedules (``tma``, ``batch_m``) are the shared expert's alone."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.tma:
-            raise ValueError(
-                f"the front GEMM has no TMA schedule (tma=True is the shared expert's GemmConfig): "
-                f"got {self}"
-            )
+FrontGemmConfig = GridConfig | StreamKConfig | VectorConfig
+"""The front GEMM's schedules (``gemm.schedule``): the grid with split-K, stream-K, or the vector
+schedule (no plan epilogue). With the plan, ``block_rows`` is widened to the plan block."""
 
 
 def table_key(valid: int, shard: int, hidden: int, batch: int) -> str:
@@ -76,9 +74,10 @@ def load_table(kind: str) -> dict[tuple[str, bool], FrontGemmConfig]:
     """
     table = {}
     for key, entry in tuning_entries(kind, "front_gemm").items():
-        table[key, False] = FrontGemmConfig(**entry["config"])
-        plan = FrontGemmConfig(**entry.get("plan_config", entry["config"]))
-        if not plan.vector:  # no plan epilogue: the plan takes the padded batch's entry
+        table[key, False] = config_from_json(entry["config"], TRITON_CONFIGS)
+        plan = config_from_json(entry.get("plan_config", entry["config"]), TRITON_CONFIGS)
+        # A vector schedule has no plan epilogue: the plan takes the padded batch's entry.
+        if not isinstance(plan, VectorConfig):
             table[key, True] = plan
     return table
 
@@ -90,16 +89,37 @@ def heuristic_config(valid: int, shard: int, hidden: int, batch: int, cores: int
     bp = padded_batch(batch)
     block_rows = 32 if bp <= 32 else 64 if bp <= 64 else 128
     tiles = -(-valid // block_rows) + -(-shard // block_rows)
-    return schedule.heuristic(tiles, hidden, block_rows, batch, cores, config_type=FrontGemmConfig)
+    return schedule.heuristic(tiles, hidden, block_rows, batch, cores)
+
+
+def select(valid: int, shard: int, hidden: int, batch: int, plan: bool = False) -> Selection:
+    """Which schedule runs the front GEMM (with the plan epilogue where ``plan``) at these shapes:
+    the target device's table entry (``gemm.schedule.lookup``), else ``heuristic_config``.
+    Returns ``Selection(implementation, config, reason)``."""
+    config, reason = schedule.lookup(
+        load_table, lambda size: (table_key(valid, shard, hidden, size), plan), batch,
+        lambda cores: heuristic_config(valid, shard, hidden, batch, cores))
+    return Selection(config.IMPLEMENTATION, config, reason)
+
+
+def selects(x, packed, split: int, valid: int, block: int | None = None) -> Selection:
+    """``select`` for the stage arguments of ``front_gemm`` (and, with ``block``,
+    ``front_gemm_plan``)."""
+    return select(valid, packed.shape[0] - split, x.shape[1], x.shape[0], block is not None)
+
+
+def selects_publish(x, packed, split: int, valid: int, *mailbox, plan_block=None) -> Selection:
+    """``select`` for ``front_gemm_publish``'s arguments: ``front_gemm_plan``'s schedule where
+    ``plan_block`` is given, else ``front_gemm``'s."""
+    del mailbox
+    return selects(x, packed, split, valid, plan_block)
 
 
 def pick_config(
     valid: int, shard: int, hidden: int, batch: int, plan: bool = False
 ) -> FrontGemmConfig:
-    """The target device's table entry for this shape, with or without the plan epilogue
-    (``gemm.schedule.lookup``), else ``heuristic_config``."""
-    return schedule.lookup(load_table, lambda size: (table_key(valid, shard, hidden, size), plan),
-                         batch, lambda cores: heuristic_config(valid, shard, hidden, batch, cores))
+    """``select(...).config``."""
+    return select(valid, shard, hidden, batch, plan).config
 
 
 def auto_prefers_kernel(x, packed, split, valid) -> bool:
@@ -190,15 +210,6 @@ def _rows_ok(first_row, end_row, rows: int):
     return (first_row + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)) < end_row
 
 
-FOLD_K = 2048
-"""A chain of dots longer than ``FOLD_K`` of K is folded into a second float32 sum every ``FOLD_K``
-(at the same K positions whatever the partition): the H200's chained tensor-core accumulation loses
-precision with the chain's length, and one chain over K3's 7168 left logits 1.8-2.4x the contract's
-1e-5 off (docs/findings.md). Shorter chains are not folded (the fold costs registers and the dots'
-asynchronous chaining: folding every 1024 made B=128-256 20-45% slower). ``block_k`` must stay below
-``FOLD_K``: at one step per fold the fold gave no precision."""
-
-
 def _accumulate(x_ref, w_ref, g: Geometry, first_row, row_ok, batch_ok, step_lo, step_hi,
                 most_steps: int):
     """``[block_rows, batch_tile]`` float32: the tile's rows times ``x`` over K steps
@@ -254,9 +265,10 @@ class _Outputs:
     def close(self, first_program) -> None:
         """Publishing, at the end of the grid's first program only: record the generation in
         ``control[1]`` and zero the status word, values no program of this grid reads. One program:
-        every program storing into these two words took the H200's vector schedule at B = 1 from
-        17.6 to 35.8 us. At the end: a store waits for its value, and at the start that is the
-        control word's load, which the compiled code for sm_90 puts the weight's loads behind."""
+        every program storing them doubled the vector schedule's time at B = 1 (docs/findings.md,
+        publishing from the front GEMM's epilogue). At the end: a store waits for its value, and at
+        the start that is the control word's load, which the compiled code for sm_90 puts the
+        weight's loads behind."""
         if self.buffer is not None:
 
             @pl.when(first_program)
@@ -269,7 +281,8 @@ def _outputs(g: Geometry, refs: list) -> tuple[_Outputs, object, object]:
     """Split a kernel's refs after ``x`` and ``w``: the aliased inputs (counters, mailbox), then the
     outputs in ``_call``'s order. Returns ``(outputs, partials_ref, counters_ref)``; publishing, the
     generation written is ``(control[0] + 1) mod G``, as ``reference.mailbox.publish`` has it."""
-    workspace = bool(g.config.programs) or g.config.split_k > 1
+    workspace = isinstance(g.config, StreamKConfig) or (
+        isinstance(g.config, GridConfig) and g.config.split_k > 1)
     refs = refs[int(workspace) + 2 * g.publish:]  # inputs aliased to outputs: use the outputs
     if g.publish:
         buffer_ref, control_ref, status_ref, *refs = refs
@@ -432,6 +445,10 @@ def _check(x, packed, split, valid, block) -> None:
     for name, value in (("split", split), ("valid", valid)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"{name} must be a static int, got {value!r}")
+    if 0 < valid <= split == rows:
+        raise NotImplementedError(
+            f"packed has no latent rows (split={split} = rows): the kernel writes a latent; a front "
+            "without one (latent=0) runs the reference")
     if not 0 < valid <= split < rows:
         raise ValueError(
             f"need 0 < valid <= split < rows of packed, got valid={valid}, split={split}, rows={rows}"
@@ -454,15 +471,17 @@ def _check(x, packed, split, valid, block) -> None:
 def _resolve(config, valid, shard, hidden, batch, block) -> FrontGemmConfig:
     config = config or pick_config(valid, shard, hidden, batch, plan=block is not None)
     if not isinstance(config, FrontGemmConfig):
-        raise ValueError(f"config must be a FrontGemmConfig or None, got {type(config).__name__}")
+        raise ValueError(f"config must be a GridConfig, StreamKConfig, VectorConfig or None, got "
+                         f"{type(config).__name__}")
     config.check_divides(hidden, "hidden")
-    if config.vector and block is not None:
+    if isinstance(config, VectorConfig) and block is not None:
         raise ValueError(f"{config} is a vector schedule, which has no plan epilogue: pass a "
                          "tensor-core schedule to front_gemm_plan")
-    config.check_batch(batch)
+    if isinstance(config, VectorConfig):
+        config.check_batch(batch)
     if config.block_k >= FOLD_K:
-        raise ValueError(f"FrontGemmConfig.block_k must be below FOLD_K={FOLD_K} (the accumulator's "
-                         f"fold), got {config.block_k}")
+        raise ValueError(f"{type(config).__name__}.block_k must be below FOLD_K={FOLD_K} (the "
+                         f"accumulator's fold), got {config.block_k}")
     if block is not None and config.block_rows < block:
         # An MXFP8 block must lie in one tile: widen the tiles, keeping the schedule otherwise.
         config = dataclasses.replace(config, block_rows=max(block, MIN_DOT))
@@ -492,7 +511,8 @@ def _call(x, packed, split, valid, block, interpret, config, mailbox=None):
             # Bytes: Triton has no E8M0 type. XLA reinterprets them in place (no kernel).
             jax.ShapeDtypeStruct((batch, g.shard // block), jnp.uint8),
         ]
-    kernel = _vector_kernel if config.vector else _stream_k_kernel if config.programs else _kernel
+    kernel = {GridConfig: _kernel, StreamKConfig: _stream_k_kernel,
+              VectorConfig: _vector_kernel}[type(config)]
     name = ("front_gemm_publish" if g.publish else "front_gemm_plan" if block is not None
             else "front_gemm")
     return gemm_triton.launch(
@@ -516,27 +536,18 @@ def front_gemm(
 ) -> tuple[jax.Array, jax.Array]:
     """Router logits and the latent shard from one pass over the packed weight (SPEC section 3).
 
-    Args:
-      x: ``[B, H]`` bfloat16 decode rows, ``1 <= B <= 256``.
-      packed: ``[n, H]`` bfloat16: router rows ``[0, valid)``, padding ``[valid, split)`` (never
-        read), latent rows ``[split, n)``.
-      split: first latent row of ``packed`` (any value in ``[valid, n)``).
-      valid: router rows of this rank.
-      interpret: run in Pallas' interpret mode (any machine).
-      config: the schedule; None picks the device's tuning-table entry or the heuristic.
+    ``x`` ``[B, H]`` bfloat16 decode rows, ``1 <= B <= 256``; ``packed`` ``[n, H]`` bfloat16: router
+    rows ``[0, valid)``, padding ``[valid, split)`` (never read), latent rows ``[split, n)``;
+    ``split`` and ``valid`` static ints. ``config``: None runs ``select``'s schedule;
+    ``interpret``: Pallas' interpret mode (any machine). Cost: the module docstring.
 
-    Returns:
-      ``logits`` ``[B, valid]`` float32 and ``latent_shard`` ``[B, n - split]`` bfloat16 (round to
-      nearest even) of ``x @ packed.T`` accumulated in float32.
+    Returns ``logits`` ``[B, valid]`` float32 and ``latent_shard`` ``[B, n - split]`` bfloat16 (round
+    to nearest even) of ``x @ packed.T`` accumulated in float32.
 
     Raises:
       ValueError: wrong shapes or dtypes, ``split``/``valid`` out of range, a config that does not
         divide ``H``.
       NotImplementedError: ``B > 256`` or ``H`` not a multiple of 16 (use ``backend='xla'``).
-
-    Example::
-
-      logits, latent = front_gemm(x, params.packed, params.split, cfg.experts_per_rank)
     """
     logits, latent, *_ = _call(x, packed, split, valid, None, interpret, config)
     return logits, latent
@@ -588,36 +599,17 @@ def front_gemm_publish(
     """``front_gemm`` whose epilogue publishes into a tp = 1 mailbox instead of writing the logits and
     latent: ``reference.mailbox.publish`` of ``front_gemm``'s outputs in one kernel (SPEC section 7).
 
-    Each finished tile goes straight into rows ``[0, B)`` of generation ``g = (control[0] + 1) mod G``
-    as canonical words (-0 becomes +0): a router tile's float32 bits at words ``L/2 + e``, a latent
-    tile's bfloat16 columns in pairs, ``2i`` the low half of word ``i``. The first program records
-    ``g`` in ``control[1]`` and zeroes the status word. The schedule is ``front_gemm``'s for the same
-    shapes (or, with ``plan_block``, ``front_gemm_plan``'s), so the words hold exactly the canonical
-    bits of that call's logits and latent.
+    Tiles go to rows ``[0, B)`` of generation ``(control[0] + 1) mod G`` as canonical words; the
+    first program records it in ``control[1]`` and zeroes the status word. ``buffer``: ``[G,
+    capacity >= B, row_words]`` uint32 (donate it); ``control``: ``[2]`` int32; ``tickets``:
+    ``[ticket_count(valid, n - split)]`` int32, zero, and zero again on return; ``valid`` and
+    ``n - split`` are ``cfg.experts`` and ``cfg.latent``. With ``plan_block`` the schedule is
+    ``front_gemm_plan``'s, so the words hold that call's bits (the plan is not written).
 
-    Args:
-      x, packed, split, valid, interpret, config: as for ``front_gemm``; ``valid`` must be
-        ``cfg.experts`` and ``n - split`` ``cfg.latent``.
-      buffer: ``[G, capacity, row_words]`` uint32, ``capacity >= B``; updated in place (donate it).
-      control: ``[2]`` int32, the mailbox's generations (``reference.mailbox``).
-      tickets: ``[ticket_count(valid, n - split)]`` int32, all zero: the split-K and stream-K tile
-        counters, kept by the caller from call to call and zero again on return.
-      cfg: the config of a tp = 1 mailbox's rows.
-      plan_block: run the schedule ``front_gemm_plan(..., block=plan_block)`` would (its table entry,
-        its tiles widened to the block), to give that call's bits; the plan itself is not written.
-
-    Returns:
-      ``(buffer, control, tickets, status)``, ``status`` the zeroed int32 word that the collect
-      polls with (``bridge.triton_mailbox.collect``).
-
-    Raises:
-      ValueError: as for ``front_gemm``; mailbox arrays whose shapes disagree with ``valid`` and the
-        latent, a batch over the capacity, or a ``plan_block`` that is not a power of two dividing the
-        latent shard (or comes with a vector ``config``).
-      NotImplementedError: as for ``front_gemm``.
-
-    Cost: ``front_gemm``'s, its outputs' bytes written as mailbox words instead (``4 B E + 2 B L``);
-    the words of the control and status, and no second kernel.
+    Returns ``(buffer, control, tickets, status)``, ``status`` the zeroed word the collect polls.
+    Raises ``front_gemm``'s errors, and ValueError for mailbox arrays that disagree with ``valid``
+    and the latent, a batch over the capacity, or a ``plan_block`` that does not divide the latent.
+    Cost: ``front_gemm``'s, the outputs written as words (``4 B E + 2 B L`` bytes), no second kernel.
     """
     covers_publish(x, packed, split, valid, buffer, control, tickets, cfg, plan_block=plan_block)
     shard = packed.shape[0] - split
@@ -641,7 +633,7 @@ def front_gemm_publish(
                 or plan_block & (plan_block - 1) or plan_block > 256 or shard % plan_block):
             raise ValueError(f"plan_block must be None or a power of two in [1, 256] dividing the "
                              f"latent shard ({shard}), got {plan_block!r}")
-        if config is not None and config.vector:
+        if isinstance(config, VectorConfig):
             raise ValueError(f"plan_block asks for front_gemm_plan's schedule, a tensor-core one, "
                              f"but config is the vector schedule {config}")
         config = _resolve(config, valid, shard, x.shape[1], x.shape[0], plan_block)

@@ -1,3 +1,4 @@
-"""What the weight-streaming GEMMs share: the schedule, its lookup and the heuristic (``schedule``),
-the Triton loads, handshakes and launch (``triton``), and the Mosaic GPU launch, stage layout and
-``x``'s TMA rows (``mosaic``)."""
+"""What the weight-streaming GEMMs share: the Triton schedules' config classes (``GridConfig``,
+``StreamKConfig``, ``VectorConfig``), their JSON form, lookup and heuristic (``schedule``), the Triton
+loads, handshakes and launch (``triton``), and the Mosaic GPU launch, wgmma's shapes, stage layout
+and ``x``'s TMA rows (``mosaic``)."""

@@ -12,9 +12,15 @@ LAUNCH_WITH_PDL = True
 """Each kernel starts with ``griddepcontrol_wait``, before it reads anything: Mosaic GPU then
 launches it with programmatic dependent launch, as XLA launches its own kernels, so that its CTAs
 are set up while the kernel before it finishes and the wait holds them until that kernel's writes
-are visible. The tp1 span, first kernel start to last kernel end, is 1.7-2.7 us shorter on the
-H100 and 1.1-1.3 us on the H200 (docs/findings.md)."""
+are visible: the span of a call's kernels is shorter (docs/findings.md, PDL)."""
 
+WGMMA_M = 64
+"""One warpgroup's wgmma M: a TMA CTA's weight rows, or the batch rows (``x`` zero-filled to them)
+where the batch is M."""
+WGMMA_MAX_N = 256
+"""wgmma's largest N."""
+WGMMA_N_STEP = 8
+"""wgmma's N is a multiple of this."""
 WGMMA_STEPS_IN_FLIGHT = 1
 """K steps whose wgmmas may still run when the next step's are issued; each holds its ring slot until
 they finish, so a ring of ``num_stages`` keeps ``num_stages - WGMMA_STEPS_IN_FLIGHT`` TMA stages

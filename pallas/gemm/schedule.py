@@ -1,18 +1,19 @@
-"""The schedule of a weight-streaming GEMM: ``GemmConfig``, the batch and K splits it implies, and
-how a kernel picks one (its tuning table, else a heuristic) and whether ``"auto"`` runs it.
+"""The Triton schedules of a weight-streaming GEMM, one frozen config class each (``GridConfig``,
+``StreamKConfig``, ``VectorConfig``), their JSON form, and how a kernel picks one (its tuning
+table, else a heuristic) and whether ``"auto"`` runs it.
 
 Every decode GEMM of the front streams a weight that is read once against a skinny ``x``
-(``B <= 256`` rows): each program owns ``block_rows`` weight rows over a ``K / split_k`` chunk of K,
-in ``block_k`` steps. Three Triton schedules (the grid with split-K, stream-K, the vector schedule;
-``moe_front_jax.pallas.gemm.triton``) and the Mosaic GPU TMA schedule share this dataclass. A kernel
-module brings what differs: its table's key and entries, its tiles and its epilogue.
+(``B <= 256`` rows): each program owns ``block_rows`` weight rows over a chunk of K, in ``block_k``
+steps. ``moe_front_jax.pallas.gemm.triton`` runs the three schedules; a kernel module brings what
+differs: its table's key and entries, its tiles and its epilogue.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, ClassVar, NamedTuple
 
 import jax.numpy as jnp
 
@@ -22,136 +23,152 @@ MAX_BATCH = 256
 """Largest batch one call covers: the accumulator tile is ``block_rows x`` the padded batch."""
 MIN_DOT = 16
 """Smallest M, N and K of a Triton tensor-core dot; batches are padded (masked) up to it."""
+VECTOR_MAX_BATCH = 8
+"""Largest batch of the vector schedule: it keeps one ``[block_rows, block_k]`` float32 accumulator
+per batch row and does ``2 * B`` FLOP per weight element on the CUDA cores."""
+TRITON_PIPELINE_SMEM = 160 * 1024
+"""The heuristic keeps a Triton program's pipeline buffers under this, leaving the rest of the
+227 KiB a Hopper block may have to Triton's own layout conversions."""
+FOLD_K = 2048
+"""A chain of tensor-core dots longer than ``FOLD_K`` of K is folded into a second float32 sum every
+``FOLD_K`` (at the same K positions whatever the partition): chained accumulation loses precision
+with the chain's length, and one chain over K3's 7168 is off the logits' 1e-5 contract. Shorter
+chains are not folded (the fold costs registers and the dots' asynchronous chaining); ``block_k``
+stays below it (at one step per fold the fold gives no precision). docs/findings.md, stream-K and
+the fold."""
+
+
+class ConfigChecks:
+    """What a schedule's frozen config checks on creation: each field of ``POWERS_OF_TWO`` a power
+    of two at least its value, each of ``POSITIVE`` a positive int; and ``check_divides``, that its
+    ``k_step`` (``K_STEP``, a product of its fields) divides the GEMM's K."""
+
+    POWERS_OF_TWO: ClassVar[dict[str, int]] = {"block_rows": MIN_DOT, "block_k": MIN_DOT}
+    POSITIVE: ClassVar[tuple[str, ...]] = ()
+    K_STEP: ClassVar[tuple[str, ...]] = ("block_k",)
+
+    def __post_init__(self):
+        name = type(self).__name__
+        for field, least in self.POWERS_OF_TWO.items():
+            value = getattr(self, field)
+            if type(value) is not int or value < least or value & (value - 1):
+                raise ValueError(f"{name}.{field} must be a power of two >= {least}, got {value!r}")
+        for field in self.POSITIVE:
+            value = getattr(self, field)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
+
+    @property
+    def k_step(self) -> int:
+        """The K elements that one program's share of K is a multiple of."""
+        return math.prod(getattr(self, field) for field in self.K_STEP)
+
+    def check_divides(self, k: int, what: str) -> None:
+        """Raise ValueError unless ``k_step`` divides the GEMM's K."""
+        if k % self.k_step:
+            raise ValueError(f"config {self} needs {what} divisible by {' * '.join(self.K_STEP)} = "
+                             f"{self.k_step}, got {what}={k}")
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmConfig:
-    """Block shapes and schedule of one weight-streaming GEMM.
+class GridConfig(ConfigChecks):
+    """The grid schedule: ``split_k x tiles`` programs, each over ``block_rows`` weight rows and a
+    ``K / split_k`` chunk of K in ``block_k`` steps; with ``split_k > 1`` a tile's last program
+    sums the float32 partials (``gemm.triton.finish_split_k``).
 
     Attributes:
-      block_rows: weight rows per program (the dot's M), a power of two >= 16.
-      block_k: K elements per pipelined step, a power of two >= 16.
-      split_k: programs sharing one tile of rows, each over ``K / split_k`` of K; ``K`` must be a
-        multiple of ``split_k * block_k``.
+      block_rows, block_k: powers of two >= 16 (the tensor-core dot's M and K).
+      split_k: programs per tile of rows; K must be a multiple of ``split_k * block_k``.
       num_warps, num_stages: Triton's warps per program and software-pipeline depth.
-      programs: 0 for the grid of ``split_k x tiles`` programs; ``P > 0`` for stream-K: ``P``
-        programs, each over an equal run of the ``tiles x K steps`` iterations (``StreamK``;
-        ``split_k`` must be 1).
-      vector: (keyword only) the matrix-vector schedule for batches up to ``VECTOR_MAX_BATCH``: one
-        program per ``block_rows`` rows (any power of two) over all of K, multiply-adds on the CUDA
-        cores instead of a tensor-core dot (``vector_stream``), so no split (``split_k`` 1), no
-        counters and no partials.
-      tma: (keyword only) the Mosaic GPU schedule of ``shared_expert.tma`` (the shared expert's
-        kernels at ``B <= 64``): one warpgroup per 64 weight rows (``block_rows``) over a
-        ``K / split_k`` chunk, the weight streamed through a ring of ``num_stages`` TMA stages of
-        ``block_k`` columns into wgmma; so ``num_warps`` 4, no programs. With ``split_k > 1`` XLA
-        sums the float32 partials and runs the epilogue.
-      batch_m: (keyword only, with ``tma``) the TMA schedule with wgmma's operands the other way
-        round: its M is the batch, padded to ``TMA_MAX_BATCH`` rows, and its N the CTA's
-        ``block_rows`` weight rows, any multiple of 8 up to ``TMA_MAX_ROWS_N``, so that the tiles
-        can be cut to fill the SMs (tp1: 6144 gate rows are 128 CTAs of 48, 7168 down rows 128 of
-        56, where 64-row tiles make 96 and 112).
     """
 
+    IMPLEMENTATION: ClassVar[str] = "triton_grid"
+    POSITIVE: ClassVar[tuple[str, ...]] = ("split_k", "num_warps", "num_stages")
+    K_STEP: ClassVar[tuple[str, ...]] = ("split_k", "block_k")
     block_rows: int
     block_k: int
     split_k: int
     num_warps: int
     num_stages: int
-    programs: int = 0
-    vector: bool = dataclasses.field(default=False, kw_only=True)
-    tma: bool = dataclasses.field(default=False, kw_only=True)
-    batch_m: bool = dataclasses.field(default=False, kw_only=True)
 
-    def __post_init__(self):
-        name = type(self).__name__
-        for flag in ("vector", "tma", "batch_m"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{name}.{flag} must be a bool, got {getattr(self, flag)!r}")
-        if self.batch_m and not (
-            self.tma and isinstance(self.block_rows, int) and self.block_rows % 8 == 0
-            and 8 <= self.block_rows <= TMA_MAX_ROWS_N
-        ):
-            raise ValueError(
-                f"batch_m is a TMA schedule (tma=True) whose block_rows, wgmma's N, is a multiple "
-                f"of 8 from 8 to {TMA_MAX_ROWS_N}: got {self}"
-            )
-        fields = (("block_k", MIN_DOT),) if self.batch_m else (
-            ("block_rows", self.least_block_rows()), ("block_k", MIN_DOT))
-        for field, least in fields:
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < least or value & (value - 1):
-                raise ValueError(f"{name}.{field} must be a power of two >= {least}, got {value!r}")
-        for field in ("split_k", "num_warps", "num_stages"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}.{field} must be a positive int, got {value!r}")
-        if self.vector and self.split_k != 1:
-            raise ValueError(
-                f"the vector schedule streams all of K per program: {name}.split_k must be 1, got "
-                f"{self.split_k}"
-            )
-        if not isinstance(self.programs, int) or self.programs < 0:
-            raise ValueError(f"{name}.programs must be an int >= 0, got {self.programs!r}")
-        if self.programs and self.split_k != 1:
-            raise ValueError(
-                f"stream-K (programs={self.programs}) splits K itself: {name}.split_k must be 1, "
-                f"got {self.split_k}"
-            )
-        if self.vector and self.programs:
-            raise ValueError(
-                f"the vector schedule streams all of K per program: {name}.programs must be 0, got "
-                f"{self.programs}"
-            )
-        tma = (self.num_warps, self.programs, self.vector)
-        if self.tma and (tma != (TMA_WARPS, 0, False) or self.num_stages < 2
-                         or (self.block_rows != TMA_ROWS and not self.batch_m)):
-            raise ValueError(
-                f"the TMA schedule is one warpgroup per {TMA_ROWS} rows with a ring of >= 2 "
-                f"stages: {name}(block_rows={TMA_ROWS}, block_k, split_k, num_warps={TMA_WARPS}, "
-                f"num_stages>=2, programs=0, tma=True), got {self}"
-            )
 
-    def least_block_rows(self) -> int:
-        """The fewest rows a program may own: a tensor-core dot's M, or one row (vector)."""
-        return 1 if self.vector else MIN_DOT
+@dataclasses.dataclass(frozen=True)
+class StreamKConfig(ConfigChecks):
+    """Stream-K: ``programs`` programs, each over an equal run of the ``tiles x K steps``
+    iterations (``gemm.triton.StreamK``), a tile's last contributor summing the partials.
 
-    def check_divides(self, k: int, what: str) -> None:
-        """Raise ValueError unless ``split_k * block_k`` divides the GEMM's K."""
-        if k % (self.split_k * self.block_k):
-            raise ValueError(
-                f"config {self} needs {what} divisible by split_k * block_k = "
-                f"{self.split_k * self.block_k}, got {what}={k}"
-            )
+    Attributes:
+      block_rows, block_k: powers of two >= 16 (the tensor-core dot's M and K).
+      num_warps, num_stages: Triton's warps per program and software-pipeline depth.
+      programs: programs launched, >= 1.
+    """
+
+    IMPLEMENTATION: ClassVar[str] = "triton_stream_k"
+    POSITIVE: ClassVar[tuple[str, ...]] = ("num_warps", "num_stages", "programs")
+    block_rows: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    programs: int
+
+
+@dataclasses.dataclass(frozen=True)
+class VectorConfig(ConfigChecks):
+    """The matrix-vector schedule for ``B <= VECTOR_MAX_BATCH``: one program per ``block_rows``
+    rows over all of K, multiply-adds on the CUDA cores (``gemm.triton.vector_stream``): no split,
+    no counters, no partials, no software pipeline.
+
+    Attributes:
+      block_rows: weight rows per program, a power of two (any, down to 1).
+      block_k: K elements per unrolled step, a power of two >= 16.
+      num_warps: Triton's warps per program.
+    """
+
+    IMPLEMENTATION: ClassVar[str] = "triton_vector"
+    POWERS_OF_TWO: ClassVar[dict[str, int]] = {"block_rows": 1, "block_k": MIN_DOT}
+    POSITIVE: ClassVar[tuple[str, ...]] = ("num_warps",)
+    block_rows: int
+    block_k: int
+    num_warps: int
 
     def check_batch(self, batch: int) -> None:
-        """Raise ValueError where the vector schedule is asked for more than ``VECTOR_MAX_BATCH``
-        rows."""
-        if self.vector and batch > VECTOR_MAX_BATCH:
-            raise ValueError(
-                f"the vector schedule {self} covers B <= {VECTOR_MAX_BATCH}, got B={batch}"
-            )
+        """Raise ValueError for a batch over ``VECTOR_MAX_BATCH`` rows."""
+        if batch > VECTOR_MAX_BATCH:
+            raise ValueError(f"the vector schedule {self} covers B <= {VECTOR_MAX_BATCH}, got "
+                             f"B={batch}")
 
 
-TMA_ROWS = 64
-"""Weight rows per CTA (per part) of the TMA schedule: one warpgroup's wgmma M (CTAs of 128 rows
-were slower at every batch at tp1 on the H200, docs/findings.md)."""
-TMA_MAX_ROWS_N = 256
-"""Most weight rows per CTA (per part) of the TMA schedule with ``batch_m``: wgmma's largest N."""
-TMA_WARPS = 4
-"""The TMA schedule's CTA: one warpgroup."""
-TMA_MAX_BATCH = 64
-"""Largest batch of the TMA schedule: its gate/up accumulators take ``2 * 64 * Bp / 128`` float32
-registers a thread (``Bp`` the batch rounded up to 8)."""
-
-VECTOR_MAX_BATCH = 8
-"""Largest batch of the vector schedule: it keeps one ``[block_rows, block_k]`` float32 accumulator
-per batch row and does ``2 * B`` FLOP per weight element on the CUDA cores."""
+TritonConfig = GridConfig | StreamKConfig | VectorConfig
+"""A schedule that ``gemm.triton.launch`` runs."""
+TRITON_CONFIGS = (GridConfig, StreamKConfig, VectorConfig)
 
 
-SMEM_BUDGET = 160 * 1024
-"""The heuristic's pipeline buffers per program stay under this (of the 227 KiB a Hopper block may
-have)."""
+def config_to_json(config) -> dict:
+    """A config as a tuning table stores it: ``{"implementation": ..., **fields}``."""
+    return {"implementation": config.IMPLEMENTATION, **dataclasses.asdict(config)}
+
+
+def config_from_json(entry: dict, classes: tuple[type, ...]):
+    """The config of a tuning-table entry (``config_to_json``'s form), one of ``classes``.
+
+    Raises:
+      ValueError: an entry without an implementation, or one that is none of ``classes``'.
+    """
+    fields = dict(entry)
+    name = fields.pop("implementation", None)
+    by_name = {cls.IMPLEMENTATION: cls for cls in classes}
+    if name not in by_name:
+        raise ValueError(f"a table entry's implementation must be one of {tuple(by_name)}, got "
+                         f"{name!r} in {entry}")
+    return by_name[name](**fields)
+
+
+class Selection(NamedTuple):
+    """What runs a stage for given shapes: the implementation's name, its config, and why."""
+
+    implementation: str
+    config: Any
+    reason: str
 
 
 def batch_key(batch: int) -> int:
@@ -173,15 +190,15 @@ def split_for_cores(tiles: int, steps: int, cores: int) -> int:
     return next((s for s in splits if tiles * s >= cores), splits[-1])
 
 
-def heuristic(tiles: int, depth: int, block_rows: int, batch: int, cores: int, *, parts: int = 1,
-              config_type: type[GemmConfig] = GemmConfig) -> GemmConfig:
+def heuristic(tiles: int, depth: int, block_rows: int, batch: int, cores: int, *,
+              parts: int = 1) -> GridConfig:
     """A grid schedule for a device without a table: ``tiles`` tiles of ``parts`` row blocks of
     ``block_rows`` rows over K = ``depth``.
 
     K steps of 128 columns (64 from a batch tile of 128, whose ``x`` block is twice as tall; the
     widest of these that divides K, else 16); K split, keeping at least two steps per program,
     until every one of ``cores`` SMs has a program; 8 warps from a 128 x 128 accumulator; the
-    pipeline as deep as ``SMEM_BUDGET`` allows, 2 to 5 stages. Returns a ``config_type``.
+    pipeline as deep as ``TRITON_PIPELINE_SMEM`` allows, 2 to 5 stages.
     """
     bp = padded_batch(batch)
     widths = (64, 32, 16) if bp >= 128 else (128, 64, 32, 16)
@@ -189,25 +206,26 @@ def heuristic(tiles: int, depth: int, block_rows: int, batch: int, cores: int, *
     steps = depth // block_k
     split_k = split_for_cores(tiles, steps, cores)
     num_warps = 8 if parts * block_rows * bp >= 128 * 128 else 4
-    stages = SMEM_BUDGET // (2 * block_k * (parts * block_rows + bp))
+    stages = TRITON_PIPELINE_SMEM // (2 * block_k * (parts * block_rows + bp))
     num_stages = max(2, min(5, stages, steps // split_k))
-    return config_type(block_rows, block_k, split_k, num_warps, num_stages)
+    return GridConfig(block_rows, block_k, split_k, num_warps, num_stages)
 
 
 def lookup(load_table: Callable[[str], dict], key: Callable[[int], Hashable], batch: int,
-           fallback: Callable[[int], Any]):
-    """A kernel's schedule for one call: the first entry found under ``key(batch_key(batch))`` (the
-    batch's own power of two: vector schedules are tuned per small batch), then under
-    ``key(padded_batch(batch))`` (the tensor-core tile it pads to), each looked up in
-    ``load_table(kind)`` for every kind of ``device.table_kinds()`` (the target's own, then the one
-    it borrows); else ``fallback(cores)`` with the target's SM count (a kernel's heuristic)."""
-    tables = [load_table(kind) for kind in device.table_kinds()]
+           fallback: Callable[[int], Any]) -> tuple[Any, str]:
+    """A kernel's schedule for one call and why: the first entry found under
+    ``key(batch_key(batch))`` (vector schedules are tuned per small batch), then under
+    ``key(padded_batch(batch))`` (the tensor-core tile it pads to), each in ``load_table(kind)``
+    for every kind of ``device.table_kinds()``; else ``fallback(cores)`` with the target's SM
+    count. Returns ``(config, reason)``."""
+    kinds = device.table_kinds()
+    tables = [(kind, load_table(kind)) for kind in kinds]
     for size in (batch_key(batch), padded_batch(batch)):
-        for table in tables:
+        for kind, table in tables:
             found = table.get(key(size))
             if found is not None:
-                return found
-    return fallback(device.core_count())
+                return found, f"{kind} table, batch {size}"
+    return fallback(device.core_count()), f"heuristic: no entry in the {' or '.join(kinds)} tables"
 
 
 def auto_prefers(stage: str, x, weight, key: Callable[[], str]) -> bool:

@@ -4,7 +4,7 @@ any of the three schedules.
 
 When K is split, the programs of one tile of rows hand their float32 partial tiles to the last of
 them to arrive, which sums them in a fixed order (results do not depend on arrival order) and runs
-the kernel's epilogue (``finish_split_k``). Stream-K (``GemmConfig.programs``) cuts the
+the kernel's epilogue (``finish_split_k``). Stream-K (``StreamKConfig``) cuts the
 ``tiles x K steps`` iterations into equal runs, one per program, with the same handshake per tile
 (``stream_k``). Their price: ``2 * 4 * block_rows * batch_tile`` bytes per partial tile, written and
 read back through L2, and an int32 counter per tile, zeroed by XLA unless the caller keeps them. The
@@ -22,7 +22,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_front_jax.pallas.gemm.schedule import GemmConfig
+from moe_front_jax.pallas.gemm.schedule import (
+    GridConfig,
+    StreamKConfig,
+    TritonConfig,
+    VectorConfig,
+)
 
 
 def masked_load(ref, mask, eviction_policy=None):
@@ -32,7 +37,7 @@ def masked_load(ref, mask, eviction_policy=None):
     return plgpu.load(ref, mask=mask, other=other, eviction_policy=eviction_policy)
 
 
-def vector_stream(x_ref, w_ref, first_rows, *, batch: int, depth: int, config: GemmConfig,
+def vector_stream(x_ref, w_ref, first_rows, *, batch: int, depth: int, config: VectorConfig,
                   rows_masks) -> list[list[jax.Array]]:
     """The vector schedule's pass over all of K: for each row block starting at one of
     ``first_rows`` and each of the ``batch`` rows of ``x``, the ``[block_rows]`` float32 dot products.
@@ -67,7 +72,7 @@ def tile_counters(tiles: int, counters: jax.Array | None = None) -> jax.Array:
     return jnp.zeros((tiles,), jnp.int32) if counters is None else counters
 
 
-def split_k_workspace(config: GemmConfig, tiles: int, parts: int, batch_tile: int,
+def split_k_workspace(config: GridConfig, tiles: int, parts: int, batch_tile: int,
                       counters: jax.Array | None = None):
     """Output shapes and the counters input of a split-K call: float32 partial tiles
     ``[split_k, tiles, parts, block_rows, batch_tile]`` and an int32 counter per tile (the counters
@@ -150,7 +155,7 @@ class StreamK:
     programs: int
 
     @classmethod
-    def of(cls, config: GemmConfig, tiles: int, depth: int) -> StreamK:
+    def of(cls, config: StreamKConfig, tiles: int, depth: int) -> StreamK:
         """The partition of ``config``'s stream-K schedule over ``tiles`` tiles of K = ``depth``."""
         return cls(tiles, depth // config.block_k, config.programs)
 
@@ -234,7 +239,7 @@ def launch(
     x: jax.Array,
     w: jax.Array,
     *,
-    config: GemmConfig,
+    config: TritonConfig,
     tiles: int,
     depth: int,
     parts: int,
@@ -254,15 +259,20 @@ def launch(
     schedule hands partials over, aliased to the last output; ``in_place`` arrays are aliased to the
     first outputs. Returns the outputs, ``out_shape``'s then the workspace's.
     """
-    if config.vector:
-        grid, workspace, counter_args = (tiles,), [], []
-    elif config.programs:
+    if isinstance(config, VectorConfig):
+        # Straight-line code: no loop for Triton to pipeline.
+        grid, workspace, counter_args, num_stages = (tiles,), [], [], 1
+    elif isinstance(config, StreamKConfig):
         sk = StreamK.of(config, tiles, depth)
         grid = (config.programs,)
         workspace, counter_args = sk.workspace(parts, config.block_rows, batch_tile, counters)
-    else:
+        num_stages = config.num_stages
+    elif isinstance(config, GridConfig):
         grid = (config.split_k, tiles)
         workspace, counter_args = split_k_workspace(config, tiles, parts, batch_tile, counters)
+        num_stages = config.num_stages
+    else:
+        raise ValueError(f"config must be a GridConfig, StreamKConfig or VectorConfig, got {config!r}")
     out_shape = [*out_shape, *workspace]
     args = [x, w, *counter_args]
     aliases = {2: len(out_shape) - 1} if counter_args else {}
@@ -274,7 +284,7 @@ def launch(
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(
-            num_warps=config.num_warps, num_stages=config.num_stages
+            num_warps=config.num_warps, num_stages=num_stages
         ),
         name=name,
     )(*args, *in_place)

@@ -19,9 +19,8 @@ loop: at decode batches it is one wave. Triton has no E8M0 type, so scales are w
 bitcast by XLA (no kernel).
 
 Cost per call (``plan_bytes``, ``n = B * L``): 2n read + n values + n / block scale bytes, 10.9 KB a
-row at tp1; 2.78 MB at B = 256, a floor of 0.6 us at 4.65 TB/s. FLOPs: about 6n, no tensor cores.
-Measured on the H200: 0.93-1.15 us at B <= 64, 1.1-2.1 at 256, 2.5-3.6x XLA's plan; a schedule
-sweep beat ``heuristic_config`` by 0.08 us at most, so no table ships (docs/findings.md).
+row at tp1. FLOPs: about 6n, no tensor cores. No tuning table ships: a schedule sweep barely beat
+``heuristic_config`` (docs/findings.md, MXFP8 plan).
 """
 from __future__ import annotations
 
@@ -204,10 +203,9 @@ def plan(
     """MXFP8 plan of ``latent`` (SPEC section 5), one Pallas kernel.
 
     Args:
-      latent: ``[B, L]`` bfloat16, ``B >= 1``.
-      block: elements per E8M0 scale, a power of two dividing ``L``.
+      latent: ``[B, L]`` bfloat16, ``B >= 1``; block: elements per E8M0 scale, a power of two
+        dividing ``L``; config: the schedule (None: ``heuristic_config`` for the target device).
       interpret: run in Pallas' interpret mode (any machine).
-      config: the schedule; None picks ``heuristic_config`` for the target device.
 
     Returns:
       ``values`` ``[B, L]`` float8_e4m3fn and ``scales`` ``[B, L / block]`` float8_e8m0fnu, bit-equal
@@ -217,10 +215,6 @@ def plan(
       ValueError: ``latent`` not 2-D bfloat16, an empty batch, a ``block`` that is not a power of two
         or does not divide ``L``, a config whose ``width`` is not a multiple of ``block`` dividing
         ``L``.
-
-    Example::
-
-      values, scales = plan(out.latent)      # [B, 3584] float8_e4m3fn, [B, 112] float8_e8m0fnu
     """
     _check(latent, block)
     batch, width_l = latent.shape

@@ -19,16 +19,14 @@ on any schedule. ``permutation`` runs the same steps over given ids (after ``rou
 
 Cost (``route_bytes``, ``permute_bytes``): 3.7 KB a K3 row; the order ``16 lanes W + 24BK + 4E + 8``
 bytes, L2-resident (``W = ceil(B / 32)``; 20 KB at B = 1, 233 KB at B = 256). Latency-bound: the
-floor is a launch, a load and a store, about 1 us. On the H200 (``pallas/tuning/nvidia-h200/
-route.json``): 3.33 us at B=1, 3.55 at 64, 4.51 at 256, 3.6-3.9x XLA's route. The order adds
-2.1-3.8 us at B <= 64 and 9.3 at 256 on an H100 (2026-12-07, cd9c802), 3.1-3.9x XLA's top_k +
-argsort: 0.9 us the workspace's zero fill, the rest the last program's count and scatter after
-every ticket (docs/findings.md).
+floor is a launch, a load and a store; the order adds the workspace's zero fill and the last
+program's count and scatter after every ticket (timings: docs/findings.md, Routing).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from moe_front_jax import reference
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.pallas.device import table_kinds, tuning_entries
+from moe_front_jax.pallas.gemm.schedule import config_from_json
 
 MAX_LANES = 4096
 """Widest padded row a program holds in registers (E up to 4096 experts)."""
@@ -62,9 +61,8 @@ COLUMNS_HELD = 8
 (8 words a column a thread of 4 warps); more are loaded twice."""
 PERMUTE_BLOCK = 8
 """Rows per program of the standalone ``permutation`` kernel: 128 slots to mark, one atomic a
-thread of 4 warps. At 64 rows (one CTA marking all 1024 slots of B=64, eight atomics a thread)
-it took 9.6 us at B=64 on an H100 (2026-12-07, 2f9bfd6); at 8 rows 3.07 / 3.33 / 4.93 / 10.18 us
-at B = 1 / 8 / 64 / 256 (cd9c802)."""
+thread of 4 warps; 64 rows (one CTA marking all 1024 slots of B=64, eight atomics a thread) were
+slower (docs/findings.md, Routing)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +81,7 @@ class RouteConfig:
         two; 0 (the default) is 4. Unused by argmax.
     """
 
+    IMPLEMENTATION: ClassVar[str] = "triton_route"
     block_rows: int
     num_warps: int
     select: str = "argmax"
@@ -128,16 +127,16 @@ def load_table(kind: str) -> dict[str, tuple[tuple[int, RouteConfig], ...]]:
     ``table_key`` -> ``((largest batch, config), ...)`` by increasing batch; empty where the kind
     has none."""
     return {
-        key: tuple(sorted(((s["max_batch"], RouteConfig(**s["config"])) for s in entry["schedules"]),
-                          key=lambda item: item[0]))
+        key: tuple(sorted(((s["max_batch"], config_from_json(s["config"], (RouteConfig,)))
+                           for s in entry["schedules"]), key=lambda item: item[0]))
         for key, entry in tuning_entries(kind, "route").items()
     }
 
 
 def heuristic_config(batch: int, experts: int, top_k: int) -> RouteConfig:
     """One row per program (decode batches never fill the SMs twice over), a warp per 256 lanes
-    (between 1 and 8), and the groups selection (faster than argmax at every batch of the H200
-    sweep; the kernel runs argmax where ``group_plan`` has no plan)."""
+    (between 1 and 8), and the groups selection (faster than argmax at every batch swept,
+    docs/findings.md; the kernel runs argmax where ``group_plan`` has no plan)."""
     del batch, top_k
     return RouteConfig(1, max(1, min(8, next_power_of_2(experts) // 256)), "groups")
 
@@ -204,25 +203,22 @@ def finish_permutation(ids_ref, ws_ref, prefix_ref, order_ref, sizes_ref, invers
                        interpret: bool) -> None:
     """The order's last steps, by the one program that drew the last ticket: from the bitmap in
     ``ws_ref`` and the ids in ``ids_ref`` ``[B, K]``, write ``sizes_ref`` ``[E]``, ``prefix_ref``
-    ``[W * lanes]`` (scratch), ``inverse_ref`` ``[B, K]`` and ``order_ref`` ``[B * K]``.
-
-    Before: each program stored its ids, marked its tokens (``mark_tokens``), then took a ticket (a
-    CTA barrier and an acquire-release atomic add, as ``gemm.triton.finish_split_k`` hands a tile to
-    its last program; none with one program). Here: popcounts of the bitmap's ``W = ceil(B / 32)``
-    columns of ``lanes`` words give ``group_sizes``; an exclusive cumsum over experts gives each
-    expert's start; each column's running start (``prefix[w, e]``: the start of ``e`` plus its slots
-    of tokens below ``32 w``) goes to scratch, then a CTA barrier. Then, in chunks of
-    ``PERMUTE_CHUNK`` rows, slot ``s = t K + r`` of expert ``e`` gets ``inverse[s] = prefix[t // 32,
-    e] + popcount(word(t // 32, e) & ((1 << t % 32) - 1))`` and ``order[inverse[s]] = s``.
-
-    The plain loads see every program's writes after the ticket's acquire: no line of the bitmap
-    (touched only by atomics, at L2) or of the ids (only stored) can sit in this SM's L1 before it
-    reads them (Pallas' ``.cg`` cache modifier does not lower in jax 0.11.2). Latency: one CTA's L2
-    round trips after the slowest ticket, each step's loads issued together: the columns and the
-    first ``WAVE_ROWS`` rows of ids, the prefix and the barrier, the gathers, the stores (4 steps
-    for B <= 256, 2 more for each further 256 rows). On an H100 the order took 2.3-4.1 us above
-    routing at B <= 64 and 11.9 at 256 with 3 steps a chunk of 64 rows (2026-12-07, 2f9bfd6), and
-    2.1-3.8 and 9.3 so (cd9c802), 0.9 us of each the workspace's zero fill."""
+    ``[W * lanes]`` (scratch), ``inverse_ref`` ``[B, K]`` and ``order_ref`` ``[B * K]``."""
+    # Before: each program stored its ids, marked its tokens (``mark_tokens``), then took a ticket (a
+    # CTA barrier and an acquire-release atomic add, as ``gemm.triton.finish_split_k`` hands a tile to
+    # its last program; none with one program). Here: popcounts of the bitmap's ``W = ceil(B / 32)``
+    # columns of ``lanes`` words give ``group_sizes``; an exclusive cumsum over experts gives each
+    # expert's start; each column's running start (``prefix[w, e]``: the start of ``e`` plus its slots
+    # of tokens below ``32 w``) goes to scratch, then a CTA barrier. Then, in chunks of
+    # ``PERMUTE_CHUNK`` rows, slot ``s = t K + r`` of expert ``e`` gets ``inverse[s] = prefix[t // 32,
+    # e] + popcount(word(t // 32, e) & ((1 << t % 32) - 1))`` and ``order[inverse[s]] = s``.
+    #
+    # The plain loads see every program's writes after the ticket's acquire: no line of the bitmap
+    # (touched only by atomics, at L2) or of the ids (only stored) can sit in this SM's L1 before it
+    # reads them (Pallas' ``.cg`` cache modifier does not lower in jax 0.11.2). Latency: one CTA's L2
+    # round trips after the slowest ticket, each step's loads issued together: the columns and the
+    # first ``WAVE_ROWS`` rows of ids, the prefix and the barrier, the gathers, the stores (4 steps
+    # for B <= 256, 2 more for each further 256 rows); timings: docs/findings.md, Routing.
     words = permute_words(batch)
     lane = lax.broadcasted_iota(jnp.int32, (lanes,), 0)
     chunk = min(PERMUTE_CHUNK, next_power_of_2(batch))
@@ -410,28 +406,6 @@ def select_grouped(ordered, lane, slot, k: int, keys_at, widths: tuple[int, ...]
     ties to the lower lane; slots past ``k`` hold 0), exactly, by narrowing through groups: a fixed
     number of reductions, none of them repeated ``k`` times.
 
-    1. The row as ``G = lanes / S`` groups of ``S`` consecutive lanes: each group's max key (a max
-       reduction), the groups ranked by a ``[G, G]`` comparison summed (max descending, the lower
-       group first on equal maxima), and the first lanes of the ``slots`` best groups in rank order
-       (a ``[G, slots]`` masked sum). The top ``k`` lanes all lie in the ``k`` best groups: if ``x``
-       of the top ``k`` sat in a group ranked ``k`` or lower, each of the ``k`` groups ranked above
-       would hold a lane beating ``x``, its max (a larger key, or an equal one at a lower lane, as
-       groups are disjoint runs of lanes and equal maxima go to the lower group).
-    2. Those groups' lanes, ``[rows, slots, S]``, keyed by ``keys_at`` (the kernel loads their
-       logits and bias again and keys them with ``ordered_keys``: the bits ``ordered`` holds).
-    3. For each further width ``W'`` of ``widths``, step 1 within the candidates: each candidate
-       group cut in runs of ``W'`` lanes, the ``slots * W / W'`` run maxima ranked (ties to the
-       lower first lane: the runs are disjoint runs of lanes too), the first lanes of the ``slots``
-       best in rank order, and their ``[rows, slots, W']`` keys from ``keys_at`` again. The
-       candidates still hold the top ``k``, by the same argument.
-    4. The ``C = slots * W`` candidates ranked by key, then lane (``[C, C]``); the ids by rank (a
-       ``[C, slots]`` masked sum).
-
-    With ``S = 1`` step 1 ranks the lanes themselves and gives the ids. Each level loads its keys
-    again rather than moving the previous level's by a masked sum: compiled for sm_90, such moves
-    (``[slots, 4 * slots, W']`` tensors) were replicated across threads by Triton's layouts, up to
-    hundreds of registers a thread and spills with ``S = 32``.
-
     Args:
       ordered: ``[rows, lanes]`` int32 keys (``ordered_keys``), at least ``k`` above ``PAD_KEY``.
       lane: ``[1, lanes]`` iota (unused; ``select_ranked``'s signature); slot: ``[1, slots]`` iota,
@@ -440,6 +414,27 @@ def select_grouped(ordered, lane, slot, k: int, keys_at, widths: tuple[int, ...]
         holds at those lanes (``PAD_KEY`` past the experts).
       widths: ``group_plan(lanes, experts, k, ...)``, not None.
     """
+    # 1. The row as ``G = lanes / S`` groups of ``S`` consecutive lanes: each group's max key (a max
+    #    reduction), the groups ranked by a ``[G, G]`` comparison summed (max descending, the lower
+    #    group first on equal maxima), and the first lanes of the ``slots`` best groups in rank order
+    #    (a ``[G, slots]`` masked sum). The top ``k`` lanes all lie in the ``k`` best groups: if ``x``
+    #    of the top ``k`` sat in a group ranked ``k`` or lower, each of the ``k`` groups ranked above
+    #    would hold a lane beating ``x``, its max (a larger key, or an equal one at a lower lane, as
+    #    groups are disjoint runs of lanes and equal maxima go to the lower group).
+    # 2. Those groups' lanes, ``[rows, slots, S]``, keyed by ``keys_at`` (the kernel loads their
+    #    logits and bias again and keys them with ``ordered_keys``: the bits ``ordered`` holds).
+    # 3. For each further width ``W'`` of ``widths``, step 1 within the candidates: each candidate
+    #    group cut in runs of ``W'`` lanes, the ``slots * W / W'`` run maxima ranked (ties to the
+    #    lower first lane: the runs are disjoint runs of lanes too), the first lanes of the ``slots``
+    #    best in rank order, and their ``[rows, slots, W']`` keys from ``keys_at`` again. The
+    #    candidates still hold the top ``k``, by the same argument.
+    # 4. The ``C = slots * W`` candidates ranked by key, then lane (``[C, C]``); the ids by rank (a
+    #    ``[C, slots]`` masked sum).
+    #
+    # With ``S = 1`` step 1 ranks the lanes themselves and gives the ids. Each level loads its keys
+    # again rather than moving the previous level's by a masked sum: compiled for sm_90, such moves
+    # (``[slots, 4 * slots, W']`` tensors) were replicated across threads by Triton's layouts, up to
+    # hundreds of registers a thread and spills with ``S = 32``.
     del lane
     rows, lanes = ordered.shape
     slots = slot.shape[1]
@@ -595,11 +590,21 @@ def _check_permute_rows(batch: int) -> None:
             f"B={batch}; use backend='xla'")
 
 
+def check_plain_routing(cfg: FrontConfig) -> None:
+    """Raise ``NotImplementedError`` for routing beyond SPEC section 4's steps: expert groups that
+    drop some (4.2) or softmax scoring (4.3), which the kernel does not rank."""
+    if cfg.scoring != "sigmoid" or cfg.topk_groups < cfg.groups:
+        raise NotImplementedError(
+            f"the routing kernel ranks sigmoid + bias over all experts; scoring={cfg.scoring!r} "
+            f"with groups={cfg.groups}, topk_groups={cfg.topk_groups} runs the reference")
+
+
 def covers(logits, bias, cfg, *, permute: bool = False) -> None:
     """Raise ``NotImplementedError`` where the kernel does not cover these arguments (more than
-    ``MAX_LANES`` experts; with ``permute``, more than ``MAX_PERMUTE_ROWS`` rows), ``ValueError``
-    where they are wrong."""
+    ``MAX_LANES`` experts; groups or softmax, ``check_plain_routing``; with ``permute``, more than
+    ``MAX_PERMUTE_ROWS`` rows), ``ValueError`` where they are wrong."""
     _check(logits, bias, cfg)
+    check_plain_routing(cfg)
     if permute:
         _check_permute_rows(logits.shape[0])
 
@@ -627,29 +632,18 @@ def route(
 ) -> tuple[jax.Array, ...]:
     """Exact top-k routing by sigmoid + correction bias (SPEC section 4), one Pallas kernel.
 
-    Args:
-      logits: ``[B, E]`` float32 router logits, ``B >= 1``.
-      bias: ``[E]`` float32 correction bias.
-      cfg: supplies ``experts``, ``top_k``, ``routed_scaling_factor`` and ``renormalize``.
-      interpret: run in Pallas' interpret mode (any machine).
-      config: the schedule; None picks the device's table entry or the heuristic.
-      permute: also write the dispatch order of SPEC section 4.1 in the same launch (the module
-        docstring; static).
+    ``logits`` ``[B, E]`` float32 (``B >= 1``), ``bias`` ``[E]`` float32; ``cfg`` supplies
+    ``experts``, ``top_k``, ``routed_scaling_factor`` and ``renormalize``; ``config`` None picks
+    the device's table entry or the heuristic; ``permute`` (static) also writes the dispatch order
+    of SPEC section 4.1 in the same launch; ``interpret``: Pallas' interpret mode (any machine).
 
-    Returns:
-      ``ids`` ``[B, K]`` int32 (rank 0 the largest key, ties to the lower id, NaN keys lowest; always
-      ``K`` distinct ids in ``[0, E)``) and ``weights`` ``[B, K]`` bfloat16, as ``reference.route``;
-      with ``permute``, then ``order`` ``[B * K]``, ``group_sizes`` ``[E]`` and ``inverse``
-      ``[B * K]`` int32, as ``reference.routing.permutation``.
+    Returns ``ids`` ``[B, K]`` int32 (rank 0 the largest key, ties to the lower id, NaN keys lowest;
+    always ``K`` distinct ids in ``[0, E)``) and ``weights`` ``[B, K]`` bfloat16, as
+    ``reference.route``; with ``permute``, then ``order`` ``[B * K]``, ``group_sizes`` ``[E]`` and
+    ``inverse`` ``[B * K]`` int32, as ``reference.routing.permutation``.
 
-    Raises:
-      ValueError: wrong shapes or dtypes, an empty batch.
-      NotImplementedError: more than 4096 experts, or ``permute`` with more than
-        ``MAX_PERMUTE_ROWS`` rows (use ``backend='xla'``).
-
-    Example::
-
-      ids, weights = route(logits, params.bias, cfg)
+    Raises ValueError for wrong shapes or dtypes or an empty batch, NotImplementedError for more
+    than 4096 experts or ``permute`` over ``MAX_PERMUTE_ROWS`` rows (use ``backend='xla'``).
     """
     covers(logits, bias, cfg, permute=permute)
     batch, experts = logits.shape

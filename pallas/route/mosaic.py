@@ -6,11 +6,12 @@ every thread the same value: a scalar. Keys: ``kernel.ordered_keys``' int32. Eac
 best ``CACHED`` (key, expert) pairs; a round takes the top by two one-register max reductions (the
 key, then the lowest expert holding it) and moves the winning lane's cache up; a lane that wins with
 nothing cached behind it refills from its keys ranked below the one just chosen (under a
-``lax.cond`` on a reduced flag): 0.31 times a random row, every third round where one lane holds all
-the winners. Why: Mosaic GPU in jax 0.11.2 has no argmax, sort, cumsum, gather or popcount, but it
-lowers max reductions over a register layout, ``lax.cond`` on a scalar, scalar loads and stores at
-any index. The chosen logits are loaded again; their sigmoids, the tree sum and the correctly
-rounded division (``arith.divf``) run on scalars, as ``reference.routing_weights``.
+``lax.cond`` on a reduced flag): fewer than a third of random rows refill, and every third round
+refills where one lane holds all the winners. Why: Mosaic GPU in jax 0.11.2 has no argmax, sort,
+cumsum, gather or popcount, but it lowers max reductions over a register layout, ``lax.cond`` on a
+scalar, scalar loads and stores at any index. The chosen logits are loaded again; their sigmoids,
+the tree sum and the correctly rounded division (``arith.divf``) run on scalars, as
+``reference.routing_weights``.
 
 ``permutation``, a second launch (a grid-wide hand-off in one launch needs semaphores, which Mosaic
 GPU's interpret mode does not run): slot ``s``'s position is its rank among ``id * S' + s``, each
@@ -39,7 +40,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from moe_front_jax import reference
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.pallas.gemm.mosaic import await_inputs
-from moe_front_jax.pallas.route.kernel import NAN_KEY, PAD_KEY, _check, _check_ids
+from moe_front_jax.pallas.route.kernel import (
+    NAN_KEY, PAD_KEY, _check, _check_ids, check_plain_routing)
 
 LANES = 32
 """Experts a warp's lanes hold side by side: ``route`` needs ``E`` a multiple of it."""
@@ -56,9 +58,8 @@ warp's lane ``lane``."""
 LANE = ROW.reduce(0)
 """One value a lane (``[32]``), as a reduction over a lane's registers leaves it."""
 CACHED = 3
-"""Keys each lane of ``route`` keeps sorted in registers. Of 20,000 random normal K3 rows, a cache
-of 2 is refilled 2.5 times a row on average (2% of rows never), of 3 0.31 times (71% never), of
-4 0.03 times; each refill or fill costs two passes over a lane's keys per cached key."""
+"""Keys each lane of ``route`` keeps sorted in registers: the fewest refills per pass spent on
+random rows (docs/findings.md, Routing); a fill costs two passes over a lane's keys per key."""
 EVERY = plgpu.Layout.TILED(plgpu.Tiling(((1,),)), warp_dims=(plgpu.Replicated(4),),
                            lane_dims=(plgpu.Replicated(32),), vector_dim=-1)
 """A short vector (a row's ``top_k`` ids or weights) that every thread holds whole."""
@@ -243,9 +244,10 @@ def permute_bytes(batch: int, experts: int, top_k: int) -> int:
 
 def covers(logits, bias, cfg, *, permute: bool = False) -> None:
     """Raise ``ValueError`` for wrong arguments (``kernel.covers``' checks), ``NotImplementedError``
-    where ``route`` does not cover them: ``E`` not a multiple of 32 (of 64 with ``permute``), or
-    ``permute`` past ``MAX_PERMUTE_ROWS`` rows."""
+    where ``route`` does not cover them: groups or softmax (``kernel.check_plain_routing``), ``E``
+    not a multiple of 32 (of 64 with ``permute``), ``permute`` past ``MAX_PERMUTE_ROWS`` rows."""
     _check(logits, bias, cfg)
+    check_plain_routing(cfg)
     if cfg.experts % LANES:
         raise NotImplementedError(
             f"the Mosaic GPU routing kernel holds experts in runs of {LANES} lanes: experts="

@@ -14,18 +14,17 @@ each decision reduced over the block so every warp leaves the loop at the same p
 ``moe_front_jax.reference.mailbox``: a program owns its words, reads ``control[1]``, writes only
 ``control[0]`` and re-arms after a block barrier. Interpret mode runs it with plain loads.
 
-Why: one launch replacing collect, route and plan. On the H200 (K3, groups selection) it took 5.18 /
-5.63 / 5.92 / 10.58 us at B = 1 / 8 / 64 / 256, 0.3-0.6 us more than the collect and routing kernels
-at B <= 64 (docs/findings.md), so ``moe_front`` runs it only with ``plan=True``.
+Why: one launch replacing collect, route and plan. It was slower than the collect and routing
+kernels apart at B <= 64 (docs/findings.md, Mailbox), so ``moe_front`` runs it only with
+``plan=True``.
 
 Cost per call (``route_collect_bytes``), ``W = L / 2 + E`` data words a row (2688 for K3): 4BW read +
 8BW written out and re-armed + ``route_bytes`` less its logits read, + ``B * L * (1 + 1 / block)``
-plan bytes. FLOPs: ``route``'s, + about 6BL with the plan. Floor: 12BW bytes, 0.44 us of HBM at B=64
-and 1.8 us at B=256 (4.65 TB/s); at decode batches the launch and the polls' round trips dominate.
+plan bytes. FLOPs: ``route``'s, + about 6BL with the plan. At decode batches the launch and the
+polls' round trips dominate the 12BW bytes.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -42,14 +41,14 @@ from moe_front_jax.pallas.route import kernel as rt
 ROUTE_COLLECT_SPIN_LIMIT = 1 << 15
 """Polls of a row's logits (or a latent chunk) before ``route_collect`` reports ``TIMEOUT``. Each
 kernel's count is set by timing its own timeout: this one so that a never-published mailbox fails
-no later here than through the jax-triton collect (``TRITON_COLLECT_SPIN_LIMIT``, 42-289 ms): 19 ms
-at B = 1 and 44-52 ms at B = 256 on the H200 (docs/findings.md)."""
+no later here than through the jax-triton collect (``TRITON_COLLECT_SPIN_LIMIT``; docs/findings.md,
+Mailbox)."""
 
 
 LATENT_CHUNK = 1024
 """Latent words per collecting program (``min``-ed with the row's power of two): two 16-byte accesses
-per thread of a 4-warp program. The fastest of 256, 512 and 1024 at B = 256 on the H200 (10.58 us
-against 12.88 and 14.78), within 0.1-0.4 us of them at B <= 64 (docs/findings.md)."""
+per thread of a 4-warp program: the fastest of 256, 512 and 1024 at B = 256, level with them below
+(docs/findings.md, Mailbox)."""
 
 
 def route_collect_bytes(batch: int, cfg, with_plan: bool = False) -> int:
@@ -77,8 +76,7 @@ def _poll(cells, ok, status_ref, spin_limit: int):
     one program has timed out the step has failed: the others stop polling at once. Every thread
     loads the status word and the block reduces what they saw, so that all warps take the same
     decision: a warp leaving the loop one poll before another would pair its later block barriers
-    with the other's (the routing's reductions then race; seen on the H200 as wrong ids and an
-    illegal-address fault)."""
+    with the other's (the routing's reductions then race: wrong ids and an illegal-address fault)."""
     sentinel = jnp.uint32(mb.SENTINEL)
 
     def count(words):
@@ -203,7 +201,9 @@ def _kernel(buffer_in, control_in, status_in, bias_ref, buffer_ref, control_ref,
 
 def covers(buffer, control, status, bias, batch, cfg, *, with_plan: bool = False) -> None:
     """Raise ``NotImplementedError`` where the kernel does not cover this request: more than
-    ``route.MAX_LANES`` experts, or ``with_plan`` with a plan block it does not fuse."""
+    ``route.MAX_LANES`` experts, groups or softmax (``route.check_plain_routing``), or
+    ``with_plan`` with a plan block it does not fuse."""
+    rt.check_plain_routing(cfg)
     if rt.next_power_of_2(cfg.experts) > rt.MAX_LANES:
         raise NotImplementedError(
             f"route_collect holds up to {rt.MAX_LANES} experts a row, got experts={cfg.experts}")
@@ -228,30 +228,19 @@ def route_collect(
 ) -> tuple:
     """Poll, copy out and re-arm rows ``[0, batch)`` of the generation last published, and route them.
 
-    Args:
-      buffer, control: the mailbox's rows ``[G, capacity, row_words]`` uint32 and generations ``[2]``
-        int32, published for this step (``reference.mailbox``); updated in place.
-      status: int32 scalar, 0 (the publish's status word); updated in place.
-      bias: ``[E]`` float32 correction bias.
-      batch: rows to collect, in ``[1, capacity]``.
-      cfg: the config the rows are laid out for; supplies the routing constants.
-      with_plan: also write the MXFP8 plan of the latent from the same registers (needs
-        ``fuses_plan(cfg)``).
-      spin_limit: polls of a row before it is a timeout.
-      interpret: run in Pallas' interpret mode (any machine).
-      config: the routing schedule (``route.RouteConfig``); None picks ``route``'s.
+    ``buffer`` ``[G, capacity, row_words]`` uint32 and ``control`` ``[2]`` int32: the mailbox,
+    published for this step and updated in place, as is ``status`` (int32 scalar, 0); ``bias`` ``[E]``
+    float32; ``batch`` in ``[1, capacity]``; ``cfg`` the rows' layout and routing constants;
+    ``with_plan`` also writes the latent's MXFP8 plan (needs ``fuses_plan(cfg)``); ``spin_limit``
+    polls of a row before a timeout; ``config`` the routing schedule (None: ``route``'s).
 
-    Returns:
-      ``(ids [batch, K] int32, weights [batch, K] bfloat16, logits [batch, E] float32,
-      latent [batch, L] bfloat16, status, buffer, control)``: what ``reference.mailbox.collect``
-      then ``route.route`` return, the rows re-armed. With ``with_plan``, ``(values [batch, L]
-      float8_e4m3fn, scales [batch, L / plan_block] float8_e8m0fnu)`` follows the latent:
-      ``plan.plan`` of it, bit for bit.
+    Returns ``(ids [batch, K] int32, weights [batch, K] bfloat16, logits [batch, E] float32, latent
+    [batch, L] bfloat16, status, buffer, control)`` as ``reference.mailbox.collect`` then
+    ``route.route``, the rows re-armed; with ``with_plan``, ``(values, scales)`` (``plan.plan`` of
+    the latent, bit for bit) follows the latent.
 
-    Raises:
-      ValueError: a wrong buffer, control, batch, bias or status.
-      NotImplementedError: more than ``route.MAX_LANES`` experts; ``with_plan`` with a plan block
-        the kernel does not fuse (``fuses_plan``).
+    Raises ValueError for a wrong buffer, control, batch, bias or status; NotImplementedError for
+    more than ``route.MAX_LANES`` experts, or ``with_plan`` with a block it does not fuse.
     """
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")

@@ -1,14 +1,14 @@
 """The shared expert's two GEMMs in Mosaic GPU: Hopper's TMA copies into warpgroup MMAs.
 
-The TMA schedule of ``shared_expert`` (``GemmConfig(64, block_k, split_k, 4, stages, tma=True)``,
-B <= 64): ``hidden = situ(bf16(x @ gate.T), bf16(x @ up.T))``, then ``hidden @ down.T``. Each CTA
-is one warpgroup that streams 64 weight rows (gate/up: and the matching up rows) over its
-``K / split_k`` chunk through ``emit_pipeline``'s ring of ``num_stages`` TMA stages of ``block_k``
-columns into wgmma. The copy engine keeps the weight in flight with no thread issuing loads, which a
-read at the HBM rate needs (H200 tp1 gate/up: 4.21-4.24 TB/s at B <= 8, docs/findings.md). The
-weight tile is wgmma's M and the batch, padded to a multiple of 8 (``tma_batch_rows``), its N. With
-``batch_m`` the batch is M (64 rows) and a CTA's rows, any multiple of 8, are N, so tp1 fills 128
-SMs instead of 96 and 112 (H100 tp1 B=64: 2.7 us faster; level or slower on the H200).
+The TMA schedule of ``shared_expert`` (``TmaConfig``, B <= 64): ``hidden = situ(bf16(x @ gate.T),
+bf16(x @ up.T))``, then ``hidden @ down.T``. Each CTA is one warpgroup that streams 64 weight rows
+(gate/up: and the matching up rows) over its ``K / split_k`` chunk through ``emit_pipeline``'s ring
+of ``num_stages`` TMA stages of ``block_k`` columns into wgmma. The copy engine keeps the weight in
+flight with no thread issuing loads, which a read at the HBM rate needs (docs/findings.md, the TMA
+schedule). The weight tile is wgmma's M and the batch, padded to a multiple of 8
+(``tma_batch_rows``), its N. With ``batch_m`` the batch is M (64 rows) and a CTA's rows, any
+multiple of 8, are N, so tp1 fills 128 SMs instead of 96 and 112 (faster on one device kind, not on
+another: the tables choose).
 
 The epilogues run on the accumulators' registers (gate/up: bf16 rounding and situ; down: bf16) and
 TMA-store the tile through shared memory. Where K is split (tp8: 768 gate rows are 12 CTAs) or the
@@ -23,12 +23,13 @@ Cost per call (bf16 = 2 bytes; ``Bp`` the padded batch; ``s1``, ``s2`` the kerne
         + 2 B S_r + 2 B H              hidden and shared written
         + 8 Bp (2 S_r s1 + H s2)       partials written and read back by XLA, where used
   FLOPs = 6 Bp S_r H                   on the tensor cores (Bp >= 8; 64 with batch_m)
-Floor: the weight read, 56.8 us at tp1 at the H200's 4.65 TB/s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +39,66 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_front_jax import reference
 from moe_front_jax.pallas.gemm.mosaic import (
+    WGMMA_M,
+    WGMMA_MAX_N,
+    WGMMA_N_STEP,
     WGMMA_STEPS_IN_FLIGHT,
     await_inputs,
     interpret_params,
     pad_rows,
     stage_transforms,
 )
-from moe_front_jax.pallas.gemm.schedule import TMA_MAX_BATCH, GemmConfig
+from moe_front_jax.pallas.gemm.schedule import MIN_DOT, ConfigChecks
+
+TMA_ROWS = WGMMA_M
+"""Weight rows per CTA (per part) without ``batch_m``: one warpgroup's wgmma M (CTAs of 128 rows
+were slower, docs/findings.md)."""
+TMA_MAX_ROWS_N = WGMMA_MAX_N
+"""Most weight rows per CTA (per part) with ``batch_m``: wgmma's largest N."""
+TMA_MAX_BATCH = WGMMA_M
+"""Largest batch: the gate/up accumulators take ``2 * 64 * Bp / 128`` float32 registers a thread
+(``Bp`` the batch rounded up to 8); with ``batch_m`` it is wgmma's M."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaConfig(ConfigChecks):
+    """The TMA schedule of one of the shared expert's GEMMs (Mosaic GPU): one warpgroup per
+    ``block_rows`` weight rows over a ``K / split_k`` chunk, through a ring of ``num_stages`` TMA
+    stages of ``block_k`` columns into wgmma; with ``split_k > 1`` XLA sums the float32 partials.
+
+    Attributes:
+      block_rows: ``TMA_ROWS`` (wgmma's M); with ``batch_m`` a multiple of 8 up to
+        ``TMA_MAX_ROWS_N`` (wgmma's N, the batch padded to ``TMA_MAX_BATCH`` being M).
+      block_k: a power of two >= 16; K must be a multiple of ``split_k * block_k``.
+      split_k: K chunks, >= 1.
+      num_stages: TMA stages in the ring, >= 2.
+      batch_m: the operands the other way round, so that tiles can be cut to fill the SMs.
+    """
+
+    IMPLEMENTATION: ClassVar[str] = "mosaic_tma"
+    POWERS_OF_TWO: ClassVar[dict[str, int]] = {"block_k": MIN_DOT}
+    POSITIVE: ClassVar[tuple[str, ...]] = ("split_k",)
+    K_STEP: ClassVar[tuple[str, ...]] = ("split_k", "block_k")
+    block_rows: int
+    block_k: int
+    split_k: int
+    num_stages: int
+    batch_m: bool = False
+
+    def __post_init__(self):
+        name = type(self).__name__
+        if type(self.batch_m) is not bool:
+            raise ValueError(f"{name}.batch_m must be a bool, got {self.batch_m!r}")
+        rows, step = self.block_rows, WGMMA_N_STEP
+        if self.batch_m and not (type(rows) is int and rows % step == 0
+                                 and step <= rows <= TMA_MAX_ROWS_N):
+            raise ValueError(f"{name}.block_rows with batch_m (wgmma's N) must be a multiple of "
+                             f"{step} from {step} to {TMA_MAX_ROWS_N}, got {rows!r}")
+        if not self.batch_m and rows != TMA_ROWS:
+            raise ValueError(f"{name}.block_rows must be {TMA_ROWS} (wgmma's M), got {rows!r}")
+        super().__post_init__()
+        if type(self.num_stages) is not int or self.num_stages < 2:
+            raise ValueError(f"{name}.num_stages must be an int >= 2, got {self.num_stages!r}")
 
 
 def tma_batch_rows(batch: int) -> int:
@@ -52,7 +106,7 @@ def tma_batch_rows(batch: int) -> int:
     return -(-batch // 8) * 8
 
 
-def _stream(x_gmem, w_gmem, first_tiles, config: GemmConfig, bp: int, part=0):
+def _stream(x_gmem, w_gmem, first_tiles, config: TmaConfig, bp: int, part=0):
     """The float32 accumulators of the weight's row tiles ``first_tiles`` (counted in
     ``block_rows``) against ``x`` over K chunk ``part`` of ``split_k``: ``num_stages`` TMA stages of
     ``block_k`` columns in flight. Each is ``[block_rows, bp]`` (the weight tile is wgmma's M), or
@@ -141,7 +195,7 @@ def _store_partials(tiles, dst_gmem):
     pl.run_scoped(scope, plgpu.SMEM((len(tiles), *tiles[0].shape), jnp.float32))
 
 
-def _partials(x, w, parts: int, config: GemmConfig, interpret: bool, name: str):
+def _partials(x, w, parts: int, config: TmaConfig, interpret: bool, name: str):
     """Split-K (or float32-output) form of either kernel: CTA ``(part, tile)`` streams K chunk
     ``part`` of the ``parts`` row blocks of ``tile`` (gate/up: its gate rows and the up rows
     ``S_r`` below) and stores its float32 accumulators; XLA sums the ``[split_k, parts, rows / parts,
@@ -167,9 +221,9 @@ def _partials(x, w, parts: int, config: GemmConfig, interpret: bool, name: str):
     )(x, w)
 
 
-def _check(x, w, rows: int, config: GemmConfig, name: str) -> None:
-    if not config.tma:
-        raise ValueError(f"{name}: {config} is not a TMA schedule (tma=True)")
+def _check(x, w, rows: int, config: TmaConfig, name: str) -> None:
+    if not isinstance(config, TmaConfig):
+        raise ValueError(f"{name}: config must be a TmaConfig, got {config!r}")
     batch, depth_k = x.shape
     if batch > TMA_MAX_BATCH:
         raise NotImplementedError(
@@ -183,23 +237,23 @@ def _check(x, w, rows: int, config: GemmConfig, name: str) -> None:
     config.check_divides(depth_k, "K")
 
 
-def _split_hidden(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool):
+def _split_hidden(x, gate_up, beta, linear_beta, config: TmaConfig, interpret: bool):
     """Kernel 1 with K split, on ``pad_rows(x)``: ``hidden`` in the layout its partials lie in,
     ``hidden.T`` ``[S_r, Bp]`` (the batch minor; ``[Bp, S_r]`` with ``batch_m``), so that XLA's
-    sum over the splits, rounding and situ are one fusion (a transpose makes it two, 1.0-1.4 us
-    more at tp8, docs/findings.md). Rows or columns past B are ``situ(0, 0) = 0``."""
+    sum over the splits, rounding and situ are one fusion (a transpose makes it two, slower:
+    docs/findings.md). Rows or columns past B are ``situ(0, 0) = 0``."""
     y = _partials(x, gate_up, 2, config, interpret, "shared_gate_up_tma_partials").sum(0)
     gate, up = (reference.round_to_bfloat16(y[p]) for p in range(2))
     return reference.situ(gate, up, beta, linear_beta)
 
 
-def _hidden_t(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool):
+def _hidden_t(x, gate_up, beta, linear_beta, config: TmaConfig, interpret: bool):
     """``hidden.T`` ``[S_r, Bp]`` from ``_split_hidden`` (a transpose with ``batch_m``)."""
     hidden = _split_hidden(x, gate_up, beta, linear_beta, config, interpret)
     return hidden.T if config.batch_m else hidden
 
 
-def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool):
+def _gate_up(x, gate_up, beta, linear_beta, config: TmaConfig, interpret: bool):
     """Kernel 1 on ``pad_rows(x)``: its rows of ``hidden``."""
     s_r = gate_up.shape[0] // 2
     rows = config.block_rows
@@ -226,7 +280,7 @@ def _gate_up(x, gate_up, beta, linear_beta, config: GemmConfig, interpret: bool)
     )(x, gate_up)
 
 
-def _down(hidden, down, out_dtype, config: GemmConfig, interpret: bool):
+def _down(hidden, down, out_dtype, config: TmaConfig, interpret: bool):
     """Kernel 2 on ``pad_rows(hidden)``: its rows of the product."""
     batch, rows, bp = hidden.shape[0], down.shape[0], tma_batch_rows(hidden.shape[0])
     if config.split_k > 1 or jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16):
@@ -247,7 +301,7 @@ def _down(hidden, down, out_dtype, config: GemmConfig, interpret: bool):
     )(hidden, down)
 
 
-def gate_up_situ(x, gate_up, beta: float, linear_beta: float, *, config: GemmConfig,
+def gate_up_situ(x, gate_up, beta: float, linear_beta: float, *, config: TmaConfig,
                  interpret: bool = False):
     """Kernel 1: ``situ(bf16(x @ gate.T), bf16(x @ up.T))`` ``[B, S_r]`` bfloat16 from ``x``
     ``[B, H]`` and ``gate_up`` ``[2 S_r, H]`` (gate rows, then up rows), both bfloat16."""
@@ -256,7 +310,7 @@ def gate_up_situ(x, gate_up, beta: float, linear_beta: float, *, config: GemmCon
     return hidden[: x.shape[0]]
 
 
-def gate_up_situ_t(x, gate_up, beta: float, linear_beta: float, *, config: GemmConfig,
+def gate_up_situ_t(x, gate_up, beta: float, linear_beta: float, *, config: TmaConfig,
                    interpret: bool = False):
     """Kernel 1 with K split (``config.split_k > 1``), transposed: ``hidden.T`` ``[S_r, Bp]``
     bfloat16 (``Bp`` = B rounded up to 8; its columns past B zero), for a down kernel that reads
@@ -268,7 +322,7 @@ def gate_up_situ_t(x, gate_up, beta: float, linear_beta: float, *, config: GemmC
     return _hidden_t(pad_rows(x), gate_up, beta, linear_beta, config, interpret)
 
 
-def down_proj(hidden, down, out_dtype=jnp.bfloat16, *, config: GemmConfig,
+def down_proj(hidden, down, out_dtype=jnp.bfloat16, *, config: TmaConfig,
               interpret: bool = False):
     """Kernel 2: ``hidden @ down.T`` ``[B, H]`` in ``out_dtype`` from ``hidden`` ``[B, S_r]`` and
     ``down`` ``[H, S_r]``, both bfloat16, float32 accumulation."""
@@ -277,7 +331,7 @@ def down_proj(hidden, down, out_dtype=jnp.bfloat16, *, config: GemmConfig,
 
 
 def shared_expert(x, gate_up, down, beta: float, linear_beta: float, out_dtype=jnp.bfloat16, *,
-                  gate_up_config: GemmConfig, down_config: GemmConfig, interpret: bool = False):
+                  gate_up_config: TmaConfig, down_config: TmaConfig, interpret: bool = False):
     """Both kernels: ``down_proj(gate_up_situ(x, ...), ...)`` ``[B, H]`` in ``out_dtype``, with
     ``hidden`` passed between them in the rows the TMA copies (one pad and one slice at most)."""
     _check(x, gate_up, gate_up.shape[0] // 2, gate_up_config, "gate_up")

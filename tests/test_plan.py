@@ -1,0 +1,253 @@
+"""The front's plan against what the traced program runs.
+
+The runner traces every step under a name scope (``Step.scope``), so each kernel the program holds
+can be traced back to the step that asked for it: a Pallas kernel in interpret mode is a
+``pallas_call`` in the jaxpr, a kernel lowered for an H200 a custom call in the StableHLO whose
+location carries the scope. For each path (one device, one rank inside ``shard_map``, the sharded
+params' ``shard_map``, each with or without a mailbox) and backend, the steps the plan marks as
+kernels must be exactly the steps that hold a kernel, and the others must hold none.
+"""
+
+import dataclasses
+import re
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+
+import moe_front_jax as mf
+from moe_front_jax import planner
+from h200 import H200, verified_triton_modules
+
+CFG = mf.FrontConfig(hidden=256, experts=64, top_k=8, latent=128, shared=64)
+NO_SHARED = dataclasses.replace(CFG, shared=0)
+STEP = re.compile(r"plan_step(\d+)_")
+
+
+def params_of(cfg):
+    return mf.pack_params(mf.init_weights(jax.random.key(0), cfg), cfg)
+
+
+def rows(batch, hidden=CFG.hidden):
+    return jax.random.normal(jax.random.key(batch), (batch, hidden)).astype(jnp.bfloat16)
+
+
+def kernel_steps(front: planner.FrontPlan) -> set[int]:
+    return {index for index, step in enumerate(front.steps, 1) if step.kernel}
+
+
+KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")
+"""A Pallas Triton kernel, and a Mosaic GPU one (``plgpu.kernel``), in a jaxpr."""
+
+
+def _sub_jaxprs(value):
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(getattr(value, "jaxpr", None), "eqns"):
+        yield value.jaxpr
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _sub_jaxprs(item)
+
+
+def pallas_steps(jaxpr, stack: str = "") -> list[int | None]:
+    """The plan step of every kernel in ``jaxpr`` (None: outside any step)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        here = f"{stack}/{eqn.source_info.name_stack}"
+        if eqn.primitive.name in KERNEL_PRIMITIVES:
+            match = STEP.findall(here)
+            found.append(int(match[-1]) if match else None)
+            continue
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                found += pallas_steps(sub, here)
+    return found
+
+
+def traced_kernel_steps(fn, *args) -> list[int | None]:
+    return pallas_steps(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def lowered_kernel_steps(fn, *args) -> list[int | None]:
+    """The plan step of every kernel custom call of ``jax.jit(fn)`` lowered for an H200."""
+    mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh), verified_triton_modules():
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(
+            debug_info=True)
+    locations = dict(re.findall(r"^(#loc\d+) = (loc\(.*\))$", text, re.M))
+    found = []
+    for line in text.splitlines():
+        if "stablehlo.custom_call" not in line:
+            continue
+        location = re.search(r"loc\((#loc\d+)\)\s*$", line)
+        match = STEP.findall(locations.get(location.group(1), "") if location else "")
+        found.append(int(match[-1]) if match else None)
+    return found
+
+
+def explain_for_h200(*args, **kwargs) -> planner.FrontPlan:
+    mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return mf.explain(*args, **kwargs)
+
+
+def assert_matches(front: planner.FrontPlan, found: list[int | None]) -> None:
+    assert None not in found, f"a kernel outside every step of\n{front}"
+    assert set(found) == kernel_steps(front), f"kernels in steps {sorted(set(found))} of\n{front}"
+
+
+ONE_DEVICE = [
+    dict(),
+    dict(plan=True),
+    dict(plan=True, permute=True),
+    dict(permute=True),
+]
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("options", ONE_DEVICE, ids=str)
+@pytest.mark.parametrize("cfg", [CFG, NO_SHARED], ids=["shared", "no_shared"])
+def test_one_device_plan_is_what_runs(backend, options, cfg):
+    params, x = params_of(cfg), rows(5)
+    front = mf.explain(x, params, backend=backend, **options)
+    assert front.path == "one device" and front.runs_kernels == (backend == "interpret")
+    found = traced_kernel_steps(partial(mf.moe_front, backend=backend, **options), x, params)
+    assert_matches(front, found)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("plan", [False, True])
+@pytest.mark.parametrize("cfg", [CFG, NO_SHARED], ids=["shared", "no_shared"])
+def test_one_device_mailbox_plan_is_what_runs(backend, plan, cfg):
+    params, x = params_of(cfg), rows(5)
+    box = mf.Mailbox.create(cfg, capacity=8)
+    front = mf.explain(x, params, backend=backend, plan=plan, mailbox=box)
+    assert front.transport == "gather"
+    stages = front.stages()
+    assert ("route_collect" in stages) == (plan and backend == "interpret")
+    found = traced_kernel_steps(
+        lambda x, p, b: mf.moe_front(x, p, backend=backend, plan=plan, mailbox=b)[0], x, params, box)
+    assert_matches(front, found)
+
+
+def rank_call(params, mesh, backend, mailbox=None, **options):
+    """``moe_front`` inside the caller's ``shard_map``: its plan and the function to trace."""
+    specs = jax.tree.map(lambda a: a.sharding.spec, params)
+
+    def body(x, local, boxes):
+        box = None if boxes is None else jax.tree.map(lambda a: a[0], boxes)
+        out = mf.moe_front(x, local, axis_name="tp", backend=backend, mailbox=box, **options)
+        return (out if box is None else out[0]).ids
+
+    boxes = None
+    if mailbox:
+        one = mf.Mailbox.create(params.cfg, capacity=8)
+        boxes = jax.tree.map(lambda a: jax.device_put(jnp.stack([a] * mesh.size),
+                                                       NamedSharding(mesh, P("tp"))), one)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), specs, P("tp")), out_specs=P(),
+                       check_vma=False)
+    return fn, boxes
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("mailbox", [False, True])
+def test_rank_plan_is_what_runs(backend, mailbox):
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+    sharded = mf.shard_params(mf.init_weights(jax.random.key(0), CFG), CFG, mesh)
+    x = rows(4)
+    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.sharding.shard_shape(a.shape), a.dtype),
+                         sharded)
+    box = mf.Mailbox.create(sharded.cfg, capacity=8) if mailbox else None
+    front = mf.explain(x, local, axis_name="tp", backend=backend, plan=True, mailbox=box)
+    assert front.path == "one rank"
+    assert ("exchange" in front.stages()) == (not mailbox)
+    assert front.stages()[-2:] == ("shared_expert", "reduce_shared")
+    if mailbox:
+        assert front.transport == "gather" and front.stages().count("mailbox_publish") == 2
+    fn, boxes = rank_call(sharded, mesh, backend, mailbox, plan=True)
+    assert_matches(front, traced_kernel_steps(fn, x, sharded, boxes))
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_sharded_plan_is_what_runs(backend):
+    mesh = jax.make_mesh((2, 2), ("data", "tp"), devices=jax.devices()[:4])
+    sharded = mf.shard_params(mf.init_weights(jax.random.key(0), CFG), CFG, mesh)
+    x = rows(6)
+    front = mf.explain(x, sharded, backend=backend, plan=True, permute=True)
+    assert (front.path, front.batch, front.groups) == ("sharded", 3, 2)
+    assert front.check_vma == (backend == "xla")
+    # Each data group routes its rows; the dispatch of all of them is sorted after the shard_map.
+    assert "permute" not in front.stages()
+    assert [(s.stage, s.kernel) for s in front.after] == [("permute", False)]
+    found = traced_kernel_steps(partial(mf.moe_front, backend=backend, plan=True, permute=True),
+                                x, sharded)
+    assert_matches(front, found)
+
+
+@pytest.mark.parametrize("backend", ["pallas", "auto"])
+@pytest.mark.parametrize("options", ONE_DEVICE[:3], ids=str)
+def test_one_device_plan_is_what_lowers_for_an_h200(backend, options):
+    params, x = params_of(CFG), rows(8)
+    front = explain_for_h200(x, params, backend=backend, **options)
+    assert front.platform == "cuda" and front.device_kind == "NVIDIA H200"
+    assert front.merged == (backend == "pallas")
+    found = lowered_kernel_steps(partial(mf.moe_front, backend=backend, **options), x, params)
+    assert_matches(front, found)
+
+
+def test_mailbox_plan_is_what_lowers_for_an_h200():
+    """Without a shared expert and with the plan, the tp1 mailbox path on "pallas" is Pallas
+    kernels only: the GEMM publishing from its epilogue, then the routing kernel that polls. (The
+    jax-triton publish and collect, which "auto" runs here, need a GPU jaxlib to lower.)"""
+    params, x = params_of(NO_SHARED), rows(8)
+    box = mf.Mailbox.create(NO_SHARED, capacity=8)
+    front = explain_for_h200(x, params, backend="pallas", plan=True, mailbox=box)
+    assert front.stages() == ("front_gemm_publish", "route_collect")
+    found = lowered_kernel_steps(
+        lambda x, p, b: mf.moe_front(x, p, backend="pallas", plan=True, mailbox=b)[0],
+        x, params, box)
+    assert_matches(front, found)
+    auto = explain_for_h200(x, params, plan=True, mailbox=box)
+    assert [(s.stage, s.kernel) for s in auto.steps] == [
+        ("front_gemm", False), ("mailbox_publish", True), ("route_collect", True)]
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_kimi_k3_auto_plan_is_what_lowers_for_an_h200(batch):
+    """At Kimi-K3's shapes "auto" follows the H200's measured tables: what the plan says runs as
+    a kernel is what lowers as one."""
+    cfg = mf.KIMI_K3
+    params = jax.eval_shape(lambda: mf.pack_params(mf.init_weights(jax.random.key(0), cfg), cfg))
+    x = jax.ShapeDtypeStruct((batch, cfg.hidden), jnp.bfloat16)
+    front = explain_for_h200(x, params, plan=True)
+    assert front.stages()[-1] == "shared_expert" and "route" in front.stages()
+    for step in front.steps:  # a kernel of several schedules names the one its table chose
+        if step.kernel and step.stage in ("front_gemm", "front_gemm_plan", "shared_expert"):
+            assert re.search(r"; \S+.* \((NVIDIA H200 table|heuristic)", step.why), step.why
+    found = lowered_kernel_steps(partial(mf.moe_front, plan=True), x, params)
+    assert_matches(front, found)
+
+
+def test_the_table_names_every_step_and_its_rule():
+    params, x = params_of(CFG), rows(3)
+    text = str(mf.explain(x.shape, params, plan=True, backend="interpret"))
+    assert text.splitlines()[0].startswith("moe_front plan: one device, B=3, backend='interpret'")
+    for stage in ("front_gate_up", "route", "shared_down"):
+        assert re.search(rf"^\d+\s+{stage}\s+pallas\.\S+ \(interpret\)\s+backend='interpret'$",
+                         text, re.M), text
+    text = str(mf.explain(x, params, plan=True))
+    assert "auto on cpu" in text and "reference.gemm.front_gemm" in text
+    assert "note: merged front: no (front_gate_up: auto on cpu" in text
+
+
+def test_explain_checks_its_arguments():
+    params = params_of(CFG)
+    with pytest.raises(ValueError, match=r"x must have shape \[B, hidden=256\]"):
+        mf.explain((3, 128), params)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        mf.explain((3, 256), params, backend="cuda")
+    with pytest.raises(ValueError, match="mailbox was created for"):
+        mf.explain((3, 256), params, mailbox=mf.Mailbox.create(NO_SHARED))
