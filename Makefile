@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine: `make demo` and `make test`. Each creates .venv
 # with Python 3.12 (pyenv resolves python3.12 through .python-version) and installs the package into
 # it: `make demo` the package alone, `make test` with its test extra (pytest, the notebook's chex,
-# triton for the CPU lowering tests).
+# triton for the CPU lowering tests), at the versions of constraints.txt, the lent GPU's.
 PYTHON ?= python3.12
 VENV := .venv
 BASE := $(VENV)/.installed-base
@@ -20,13 +20,13 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 
-$(BASE): pyproject.toml | $(VENV)/bin/python
-	$(VENV)/bin/python -m pip install -q -e .
+$(BASE): pyproject.toml constraints.txt | $(VENV)/bin/python
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e .
 	touch $@
 
 # The test extra includes the package itself: its stamp stands for the demo's too.
-$(STAMP): pyproject.toml | $(VENV)/bin/python
-	$(VENV)/bin/python -m pip install -q -e '.[test]'
+$(STAMP): pyproject.toml constraints.txt | $(VENV)/bin/python
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(BASE) $@
 
 clean:

@@ -47,7 +47,7 @@ class FrontOutput(NamedTuple):
     Attributes:
       ids: ``[B, K]`` int32 chosen experts, rank 0 the largest key.
       weights: ``[B, K]`` bfloat16 routing weights.
-      latent: ``[B, L]`` bfloat16, every rank's latent shard in rank order.
+      latent: ``[B, L]`` bfloat16, every rank's latent shard in rank order; None at ``latent=0``.
       logits: ``[B, E]`` float32 router logits of every expert.
       shared: ``[B, H]`` bfloat16 shared-expert output, or None without shared-expert weights; with
         ``shared_reduce="psum_scatter"`` split over the hidden size (``moe_front``'s docstring).
@@ -104,9 +104,19 @@ def as_dispatch(fields) -> Dispatch | None:
     return None if fields is None else Dispatch(*fields)
 
 
-def _front_output(fields: dict) -> FrontOutput:
-    return FrontOutput(*(fields[name] for name in planner.FIELDS[:-1]),
-                       as_dispatch(fields["dispatch"]))
+def _front_output(fields: dict, cfg: FrontConfig) -> FrontOutput:
+    """``FrontOutput`` of the plan's fields; a front without a latent has ``latent`` None."""
+    out = FrontOutput(*(fields[name] for name in planner.FIELDS[:-1]),
+                      as_dispatch(fields["dispatch"]))
+    return out._replace(latent=None) if cfg.latent == 0 else out
+
+
+def check_plan(plan: bool, cfg: FrontConfig) -> None:
+    """``plan=True`` needs a latent: a front without one (``latent=0``) has no MXFP8 plan."""
+    if plan and cfg.latent == 0:
+        raise ValueError(
+            "plan=True asks for the MXFP8 plan of the latent, but FrontConfig.latent is 0: a front "
+            "without a latent has no plan; call with plan=False")
 
 
 def check_params(params) -> None:
@@ -206,12 +216,13 @@ def moe_front(
             )
         if mailbox is not None:
             mailboxes.check_mailbox(mailbox, params.cfg, x.shape[0])
+    check_plan(plan, params.cfg)
     options = dict(plan=plan, permute=permute, backend=backend, axis_name=axis_name,
                    shared_reduce=shared_reduce)
     if mailbox is None:
-        return _front_output(_planned_front(x, params, None, **options))
+        return _front_output(_planned_front(x, params, None, **options), params.cfg)
     fields = _planned_front_donating(x, params, mailbox, **options)
-    return _front_output(fields), mailboxes.with_arrays(mailbox, fields["buffer"],
+    return _front_output(fields, params.cfg), mailboxes.with_arrays(mailbox, fields["buffer"],
                                                         fields["control"], fields["tickets"])
 
 
@@ -258,6 +269,7 @@ def explain(x, params: FrontParams, *, plan: bool = False, permute: bool = False
     else:
         check_params(params)
         check_rows(x, params.cfg)
+    check_plan(plan, params.cfg)
     if mailbox is True:
         mailbox = jax.eval_shape(lambda: mailboxes.Mailbox.create(params.cfg, x.shape[0]))
     elif mailbox is not None:
@@ -274,11 +286,12 @@ def route(
     backend: str = "auto",
     permute: bool = False,
 ) -> tuple[jax.Array, jax.Array] | tuple[jax.Array, jax.Array, Dispatch]:
-    """The routing step alone: exact top-k of ``sigmoid(logits) + bias`` (SPEC section 4).
+    """The routing step alone: exact top-k as ``cfg`` scores it (SPEC section 4: sigmoid + bias, its
+    expert groups, 4.2, or softmax, 4.3).
 
-    ``logits`` ``[B, E]`` float32 (``B >= 1``), ``bias`` ``[E]`` float32; ``cfg`` supplies ``experts``,
-    ``top_k``, ``routed_scaling_factor`` and ``renormalize``; ``backend`` as for ``moe_front``;
-    ``permute`` (static under ``jax.jit``) also returns the ``Dispatch`` of SPEC section 4.1.
+    ``logits`` ``[B, E]`` float32 (``B >= 1``), ``bias`` ``[E]`` float32 (zeros for a router without
+    one, as ``params.bias`` holds); ``backend`` as for ``moe_front``; ``permute`` (static under
+    ``jax.jit``) also returns the ``Dispatch`` of SPEC section 4.1.
 
     Returns:
       ``ids`` ``[B, K]`` int32 (``cfg.top_k`` distinct experts in ``[0, E)`` for any input, ties

@@ -150,24 +150,16 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int,
 class CheckpointReader:
     """The front's weights in a checkpoint, checked up front and read a block at a time.
 
-    Construction finds every key behind ``prefix`` and checks its shape and dtype from the file headers
-    (no tensor data is read). ``read`` then reads one block of a weight, so that a device can load its
-    own shard without any other device, or the host, holding the whole weight: ``params`` packs the
-    front's ``FrontParams`` that way (``load_params``), ``weights`` reads every weight whole.
+    Construction finds every key behind ``prefix`` (e.g. ``"model.layers.3.mlp."``) in
+    ``paths_or_dir`` (a ``.safetensors`` file, a list, or a directory: ``checkpoint_files``) and
+    checks its shape and dtype against ``cfg`` from the file headers, reading no tensor data.
+    ``read`` then reads one block of a weight, so that a device loads its own shard without any
+    other device or the host holding the whole weight (``params``, ``load_params``); ``weights``
+    reads every weight whole.
 
-    Args:
-      paths_or_dir: a ``.safetensors`` file, a list of them, or a directory (see ``checkpoint_files``).
-      cfg: the model's sizes.
-      prefix: what stands before the SPEC's key names in the checkpoint, e.g. ``"model.layers.3.mlp."``.
-
-    Attributes:
-      names: the SPEC keys found (the shared expert's two exactly when the checkpoint has them).
-      has_shared: whether the shared expert's keys are there.
-      split_gate_up: whether its gate and up are DeepSeek's two keys rather than the fused one.
-
-    Raises:
-      ValueError: naming the checkpoint key that is missing or has the wrong shape or dtype, or only one
-        of the shared expert's keys.
+    Attributes ``names`` (the SPEC keys found), ``has_shared`` and ``split_gate_up`` (DeepSeek's
+    two keys rather than the fused one) say what the checkpoint holds. Raises ``ValueError`` naming
+    the key that is missing or has the wrong shape or dtype, or only one of the shared expert's.
     """
 
     def __init__(self, paths_or_dir: PathLike | Iterable[PathLike], cfg: FrontConfig, prefix: str = ""):
@@ -277,20 +269,16 @@ def load_weights(
 ) -> dict[str, jax.Array]:
     """The front's weights from a safetensors checkpoint, on the default device.
 
-    Args:
-      paths_or_dir: a ``.safetensors`` file, a list of them, or a directory (see ``checkpoint_files``).
-      cfg: the model's sizes; every shape and dtype is checked against it.
-      prefix: what stands before the SPEC's key names in the checkpoint, e.g. ``"model.layers.3.mlp."``.
-
-    Returns:
-      ``{name: array}`` under the keys of SPEC section 2 (``gate.weight`` ``[E, H]`` bf16, ...), with the
-      shared expert's two keys exactly when the checkpoint has them; validated by ``check_weights``.
+    ``paths_or_dir`` is a ``.safetensors`` file, a list of them, or a directory
+    (``checkpoint_files``); ``prefix`` what stands before the SPEC's key names, e.g.
+    ``"model.layers.3.mlp."``; every shape and dtype is checked against ``cfg``. Returns ``{name:
+    array}`` under the keys of SPEC section 2, with the shared expert's exactly when the checkpoint
+    has them (``check_weights`` validates it).
 
     Raises:
-      ValueError: naming the checkpoint key that is missing or has the wrong shape or dtype (checked
-        from the file headers, before any data is read), or only one of the shared expert's keys; a
-        source that is not a path, a list of paths or a directory, or a bad index file (see
-        ``checkpoint_files``).
+      ValueError: naming the checkpoint key that is missing or has the wrong shape or dtype (from
+        the file headers, before any data is read), only one of the shared expert's keys, a source
+        that is not a path, a list of paths or a directory, or a bad index file.
     """
     weights = CheckpointReader(paths_or_dir, cfg, prefix).weights()
     packing.check_weights(weights, cfg)

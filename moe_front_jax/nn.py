@@ -48,37 +48,19 @@ ARRAYS = ("packed", "bias", "gate_up", "down")
 class MoEFront(nnx.Module):
     """The decode-time MoE front of one layer as an NNX module.
 
-    ``front(x)`` is ``mf.moe_front(x, front.front_params())``: the front GEMM, exact top-k routing, the
-    latent and the shared expert of ``x`` ``[B, H]`` bfloat16, equal on one device to
-    ``mf.moe_front(x, mf.pack_params(weights, cfg))``. With a ``mesh`` every Param is a global array
-    whose rank blocks sit on the devices of ``axis`` (as ``mf.shard_params`` places them), and a call
-    runs every rank's front under ``jax.shard_map``; the mesh's other axes split the batch.
+    ``front(x, plan=..., permute=..., mailbox=...)`` is ``mf.moe_front(x, front.front_params(),
+    ...)``: equal on one device to ``mf.moe_front(x, mf.pack_params(weights, cfg))``. With a
+    ``mesh`` every Param is a global array whose rank blocks sit on the devices of ``axis`` (as
+    ``mf.shard_params`` places them) and a call runs under ``jax.shard_map``.
 
-    Args:
-      cfg: the model config; ``cfg.tp`` must be 1 without a mesh, and 1 or the size of ``axis`` with one.
-      rngs: draw fresh weights with ``mf.init_weights`` from ``rngs.params()``; give this or
-        ``weights``.
-      weights: the weights under the keys of SPEC section 2 (``mf.init_weights``' or
-        ``mf.load_weights``' output), validated against ``cfg``, packed once here.
-        ``MoEFront.from_checkpoint`` reads a checkpoint straight into the module (and into the shards).
-      shared: with ``rngs``, also draw the shared expert's weights (needs ``cfg.shared > 0``); the
-        default, None, draws them exactly when ``cfg.shared > 0``. With ``weights`` leave it None:
-        the shared expert is there exactly when its keys are.
-      backend: the backend ``moe_front`` runs (``"auto"``, ``"xla"``, ``"pallas"``, ``"interpret"``).
-      mesh: a ``jax.sharding.Mesh`` with ``axis`` to shard the weights over, or None for one device.
-      axis: the tensor-parallel mesh axis (the name in the Params' annotations).
-      shared_reduce: with a mesh, how the ranks' shared-expert partial sums are reduced: ``"psum"``
-        (``shared`` ``[B, H]`` whole) or ``"psum_scatter"`` (``[B, H]`` whose hidden columns are sharded
-        over ``axis``, what a MoE tail consumes).
+    Give ``rngs`` (fresh weights from ``mf.init_weights``; ``shared`` as there) or ``weights``
+    (SPEC section 2's keys, validated against ``cfg`` and packed once); ``from_checkpoint`` reads a
+    checkpoint straight into the module. ``backend`` and ``shared_reduce`` are ``moe_front``'s.
+    The Params ``packed``, ``bias``, ``gate_up`` and ``down`` (None without a shared expert) are
+    the module docstring's; ``cfg`` has ``tp`` the number of ranks.
 
-    Attributes:
-      packed, bias, gate_up, down: the ``nnx.Param`` of the module docstring (``gate_up`` and ``down``
-        None without a shared expert).
-      cfg: ``cfg`` with ``tp`` the number of ranks; split: the first latent row of a rank's block.
-
-    Raises:
-      ValueError: a bad config, backend, mesh, axis or shared_reduce, a bad weight (naming the key),
-        not exactly one of ``rngs`` and ``weights``, or ``shared`` given with ``weights``.
+    Raises ``ValueError`` for a bad config, backend, mesh, axis or shared_reduce, a bad weight
+    (naming the key), not exactly one of ``rngs`` and ``weights``, or ``shared`` with ``weights``.
     """
 
     def __init__(

@@ -57,22 +57,14 @@ def init_weights(key: jax.Array, cfg: FrontConfig, shared: bool | None = None
 
     Projections are normal with standard deviation ``1 / sqrt(fan_in)``, so unit-variance rows give
     unit-variance logits, latent and gate/up; the correction bias is uniform in ``[-0.05, 0.05)``.
+    ``key`` is a ``jax.random`` key; ``shared`` includes the shared expert's weights (the default,
+    None: exactly when ``cfg.shared > 0``).
 
-    Args:
-      key: a ``jax.random`` key.
-      cfg: the model's sizes.
-      shared: include the shared expert's weights (True needs ``cfg.shared > 0``); the default,
-        None, includes them exactly when ``cfg.shared > 0``.
-
-    Returns:
-      ``{name: array}``: ``gate.weight`` ``[E, H]`` bf16, ``gate.e_score_correction_bias`` ``[E]`` f32
-      (with ``cfg.bias``), ``routed_down_weight`` ``[L, H]`` bf16 (with ``cfg.latent``), and with ``shared``
-      ``shared_experts.gate_up_proj.weight`` ``[2S, H]`` and ``shared_experts.down_proj.weight``
-      ``[H, S]`` bf16.
-
-    Raises:
-      ValueError: ``key`` not a ``jax.random`` key; ``shared=True`` for a config without a shared
-        expert (``cfg.shared == 0``).
+    Returns ``{name: array}``: ``gate.weight`` ``[E, H]`` bf16, ``gate.e_score_correction_bias``
+    ``[E]`` f32 (with ``cfg.bias``), ``routed_down_weight`` ``[L, H]`` bf16 (with ``cfg.latent``),
+    and with ``shared`` ``shared_experts.gate_up_proj.weight`` ``[2S, H]`` and
+    ``shared_experts.down_proj.weight`` ``[H, S]`` bf16. Raises ``ValueError`` for a ``key`` that is
+    not a ``jax.random`` key, or ``shared=True`` for a config without a shared expert.
     """
     check_key(key)
     if shared is None:
@@ -274,16 +266,12 @@ def pack_params(
 ) -> FrontParams:
     """Pack one rank's share of ``weights`` into ``FrontParams`` (SPEC section 3).
 
-    Args:
-      weights: the unsharded weights under the keys of SPEC section 2 (``init_weights``' output, or a
-        checkpoint's).
-      cfg: the model config; ``cfg.tp`` ranks share the weights.
-      rank: which rank's share to pack, in ``[0, cfg.tp)``.
-      split_align: router rows are padded with zero rows up to a multiple of this.
+    ``weights`` are the unsharded weights under the keys of SPEC section 2 (``init_weights``' or a
+    checkpoint's), shared by ``cfg.tp`` ranks; ``rank`` in ``[0, cfg.tp)`` picks the share; router
+    rows are padded with zero rows up to a multiple of ``split_align``.
 
-    Returns:
-      ``FrontParams`` with ``packed`` ``[split + L/tp, H]``, where ``split`` is ``E/tp`` rounded up to
-      ``split_align``.
+    Returns ``FrontParams`` with ``packed`` ``[split + L/tp, H]``, where ``split`` is ``E/tp``
+    rounded up to ``split_align``.
 
     Raises:
       ValueError: ``cfg`` not a ``FrontConfig``, a missing key, a wrong shape or dtype (naming the

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import moe_front_jax as mf
-from moe_front_jax import registry
+from moe_front_jax import reference, registry
 import oracle
 
 SMALL = mf.FrontConfig(hidden=256, experts=128, top_k=16, latent=128, shared=64)
@@ -380,3 +380,23 @@ def test_more_rows_than_a_kernel_covers():
     assert not steps["front_gemm_plan" if "front_gemm_plan" in steps else "front_gemm"].kernel
     assert "B <= 256 rows per call, got B=257" in steps["shared_expert"].why
     assert steps["route"].kernel and steps["plan"].kernel
+
+
+NO_LATENT = mf.FrontConfig(hidden=256, experts=64, top_k=8, latent=0, shared=64)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_a_front_without_a_latent_returns_none_and_refuses_the_plan(backend):
+    params = mf.pack_params(mf.init_weights(jax.random.key(0), NO_LATENT), NO_LATENT)
+    x = rows(3, NO_LATENT.hidden)
+    out = front(x, params, backend=backend)
+    assert out.latent is None and out.plan is None and out.ids.shape == (3, 8)
+    want = reference.route(reference.front_gemm(x, params.packed, params.split, 64)[0],
+                           params.bias, NO_LATENT)
+    for got, expected in zip((out.ids, out.weights), want):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    for call in (lambda: front(x, params, plan=True, backend=backend),
+                 lambda: mf.explain(x, params, plan=True, backend=backend)):
+        with pytest.raises(ValueError, match="FrontConfig.latent is 0: a front without a latent "
+                                             "has no plan"):
+            call()

@@ -91,11 +91,22 @@ def make_dry_run(target: str, tmp_path) -> str:
 
 def test_make_demo_installs_without_the_test_extra_and_make_test_with_it(tmp_path):
     demo = [line for line in make_dry_run("demo", tmp_path).splitlines() if "pip install" in line]
-    assert any(line.endswith("install -q -e .") for line in demo), demo
+    assert any(line.endswith("install -q -c constraints.txt -e .") for line in demo), demo
     assert not any("[test]" in line for line in demo), demo
     test = make_dry_run("test", tmp_path)
-    assert "install -q -e '.[test]'" in test and "pytest -q -n 2 tests" in test
+    assert "install -q -c constraints.txt -e '.[test]'" in test and "pytest -q -n 2 tests" in test
     assert "bin/moe-front-demo" in make_dry_run("demo", tmp_path)
+
+
+def test_the_set_up_pins_what_the_gpu_runs_and_the_package_takes_ranges():
+    """``make`` installs the lent GPU's jax, jaxlib and flax (constraints.txt), each inside the
+    range pyproject.toml gives a user's install."""
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    assert pins == {"jax": "0.11.2", "jaxlib": "0.11.2", "flax": "0.12.10"}
+    project = (ROOT / "pyproject.toml").read_text()
+    for name, version in pins.items():
+        assert f'"{name}>={version},<' in project, name
 
 
 def test_make_clean_removes_the_build_outputs(tmp_path):
