@@ -55,8 +55,6 @@ ROW = plgpu.Layout.TILED(plgpu.Tiling(((1, LANES), (1,))), warp_dims=(plgpu.Repl
                          lane_dims=(-2,), vector_dim=-1)
 """A row of ``E`` experts as ``[E / 32, 32]``: expert ``32 j + lane`` in register ``j`` of every
 warp's lane ``lane``."""
-LANE = ROW.reduce(0)
-"""One value a lane (``[32]``), as a reduction over a lane's registers leaves it."""
 CACHED = 3
 """Keys each lane of ``route`` keeps sorted in registers: the fewest refills per pass spent on
 random rows (docs/findings.md, Routing); a fill costs two passes over a lane's keys per key."""
@@ -126,7 +124,7 @@ def _route_kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, cfg, interpret)
 
     def best(valid):
         """Each lane's ``CACHED`` best keys among ``valid`` and their experts, best first, as
-        ``LANE`` vectors (``PAD_KEY`` and -1 where a lane has no more)."""
+        ``[32]`` vectors, one value a lane (``PAD_KEY`` and -1 where a lane has no more)."""
         cache = []
         for _ in range(CACHED):
             key = jnp.max(jnp.where(valid, keys, pad), axis=0)
@@ -177,8 +175,7 @@ def _chunks(total: int):
     return -(-total // BLOCK)
 
 
-def _permute_kernel(flat_ref, order_ref, sizes_ref, inverse_ref, *, slots, padded, experts,
-                    interpret):
+def _permute_kernel(flat_ref, order_ref, sizes_ref, inverse_ref, *, slots, padded, interpret):
     await_inputs(interpret)
     cta = lax.axis_index("cta")
     slot_ctas = _chunks(padded)
@@ -312,8 +309,7 @@ def route(logits: jax.Array, bias: jax.Array, cfg: FrontConfig, *, interpret: bo
 
 def _permutation(flat, slots: int, cfg: FrontConfig, interpret: bool):
     padded = flat.shape[0]
-    kernel = functools.partial(_permute_kernel, slots=slots, padded=padded, experts=cfg.experts,
-                               interpret=interpret)
+    kernel = functools.partial(_permute_kernel, slots=slots, padded=padded, interpret=interpret)
     return plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((slots,), jnp.int32),
