@@ -1,4 +1,4 @@
-"""Benchmark the Pallas routing kernel beside the XLA reference route on the GPU (CUPTI kernel time).
+"""Benchmark the Pallas routing kernels beside the XLA reference route on the GPU (CUPTI kernel time).
 
   python benchmarks/bench_route.py --out $OUT [--sweep] [--no-permute]
   python benchmarks/bench_route.py --check          # any machine: interpret mode, no timing
@@ -10,6 +10,9 @@ of the logits, and the ratio XLA / kernel. With ``--sweep`` also every schedule 
 regenerate ``pallas/tuning/<device kind>/route.json``; both selections, argmax and groups, side
 by side), written to $OUT/bench_route_sweep.json with each schedule's fraction of rows whose ids
 equal the reference's.
+The Mosaic GPU kernels (``route_mosaic``, ``permutation_mosaic``: "mosaic", "mosaic_permute",
+"mosaic_order") run beside the Triton ones in the same process, their ids and orders checked the
+same way; the tables give their time over the Triton kernel's (issue 47's target: at most 1.1).
 The results go to $OUT/bench_route.json in benchmarks/README.md's format (stage "route"); the table
 prints last.
 
@@ -65,12 +68,26 @@ PERMUTE_ADDED_US, PERMUTE_TOTAL_US, PERMUTE_RATIO = 1.5, 6.0, 4.0
 B = 256, at least 4x XLA's route + argsort at every B."""
 
 
+ORDERS = ("order", "mosaic_order")
+"""The variants that take ids rather than logits."""
+
+
+def route_variants(cfg, interpret: bool = False) -> dict:
+    """Routing alone, each ``fn(bias, logits)``: the Triton kernel, XLA, the Mosaic GPU kernel."""
+    return {"pallas": lambda b, l: rt.route(l, b, cfg, interpret=interpret),
+            "xla": lambda b, l: reference.route(l, b, cfg),
+            "mosaic": lambda b, l: rt.route_mosaic(l, b, cfg, interpret=interpret)}
+
+
 def permute_variants(cfg, interpret: bool = False) -> dict:
-    """The order's variants, each ``fn(bias, x)`` with ``x`` the logits (the ids for "order")."""
+    """The order's variants, each ``fn(bias, x)`` with ``x`` the logits (the ids for ``ORDERS``)."""
     return {
         "pallas_permute": lambda b, l: rt.route(l, b, cfg, permute=True, interpret=interpret),
         "xla_permute": lambda b, l: reference.route(l, b, cfg, permute=True),
         "order": lambda b, ids: rt.permutation(ids, cfg, interpret=interpret),
+        "mosaic_permute": lambda b, l: rt.route_mosaic(l, b, cfg, permute=True,
+                                                       interpret=interpret),
+        "mosaic_order": lambda b, ids: rt.permutation_mosaic(ids, cfg, interpret=interpret),
     }
 
 
@@ -85,19 +102,18 @@ def check(batches: list[int]) -> None:
     """``--check``: each variant on this machine, the kernels in interpret mode; no timing."""
     cfg = mf.KIMI_K3
     bias = jax.random.uniform(jax.random.key(3), (cfg.experts,), jnp.float32, -0.05, 0.05)
-    variants = {"pallas": lambda b, l: rt.route(l, b, cfg, interpret=True),
-                "xla": lambda b, l: reference.route(l, b, cfg),
-                **permute_variants(cfg, interpret=True)}
+    variants = {**route_variants(cfg, interpret=True), **permute_variants(cfg, interpret=True)}
     for batch in batches:
         logits = jax.random.normal(jax.random.key(batch), (batch, cfg.experts), jnp.float32) * 2
         want = jax.jit(variants["xla"])(bias, logits)
-        outs = {name: jax.jit(fn)(bias, want[0] if name == "order" else logits)
+        outs = {name: jax.jit(fn)(bias, want[0] if name in ORDERS else logits)
                 for name, fn in variants.items()}
-        same_ids = all(bool(jnp.array_equal(outs[n][0], want[0]))
-                       for n in ("pallas", "pallas_permute", "xla_permute"))
-        orders = [order_agrees(outs[n], cfg) for n in ("pallas_permute", "xla_permute")]
-        orders.append(all(bool(jnp.array_equal(g, w)) for g, w in
-                          zip(outs["order"], reference_routing.permutation(want[0], cfg))))
+        same_ids = all(bool(jnp.array_equal(outs[n][0], want[0])) for n in variants
+                       if n not in ORDERS)
+        orders = [order_agrees(outs[n], cfg) for n in ("pallas_permute", "xla_permute",
+                                                       "mosaic_permute")]
+        orders += [all(bool(jnp.array_equal(g, w)) for g, w in
+                       zip(outs[n], reference_routing.permutation(want[0], cfg))) for n in ORDERS]
         ok = same_ids and all(orders)
         print(f"B={batch}: {len(variants)} variants ran; ids agree {same_ids}, orders agree "
               f"{all(orders)}", flush=True)
@@ -131,10 +147,8 @@ def main() -> None:
         ]
         for batch in batches
     }
-    variants = {
-        "pallas": lambda batch: (lambda b, l: rt.route(l, b, cfg)),
-        "xla": lambda batch: (lambda b, l: reference.route(l, b, cfg)),
-    }
+    variants = {name: (lambda fn: lambda batch: fn)(fn)
+                for name, fn in route_variants(cfg).items()}
     if not args.no_permute:
         for name, fn in permute_variants(cfg).items():
             variants[name] = (lambda fn: lambda batch: fn)(fn)
@@ -150,7 +164,7 @@ def main() -> None:
         for batch in batches}
 
     def inputs(batch, name):
-        return ids[batch] if name == "order" else logits[batch]
+        return ids[batch] if name in ORDERS else logits[batch]
 
     def compile_one(key):
         batch, name = key
@@ -168,7 +182,7 @@ def main() -> None:
             kernels[batch, name] = {k: round(statistics.median(us), 3) for k, us in per_kernel.items()}
         print(json.dumps({"batch": batch, **{n: round(times[batch, n], 3) for n in variants},
                           **{f"{n}_kernels": kernels[batch, n] for n in variants
-                             if n not in ("xla", "pallas")}}), flush=True)
+                             if n not in ("xla", "pallas", "mosaic")}}), flush=True)
 
     # Check while timing: the timed kernel's ids equal the reference's on these rows (random normals;
     # the GPU test covers near ties).
@@ -176,20 +190,23 @@ def main() -> None:
     for batch in batches:
         want = compiled[batch, "xla"](bias, logits[batch][0])[0]
         for name in variants:
-            if name not in ("xla", "xla_permute", "order"):
+            if name not in ("xla", "xla_permute", *ORDERS):
                 got = compiled[batch, name](bias, logits[batch][0])[0]
                 agree[batch, name] = float(jnp.mean(jnp.all(got == want, axis=1)))
     # The timed orders equal the reference's order of their own ids, bit for bit.
     orders = {}
     for batch in batches if not args.no_permute else []:
-        orders[batch] = (order_agrees(compiled[batch, "pallas_permute"](bias, logits[batch][0]), cfg)
-                         and all(bool(jnp.array_equal(g, w)) for g, w in zip(
-                             compiled[batch, "order"](bias, ids[batch][0]),
-                             reference_routing.permutation(ids[batch][0], cfg))))
+        for kind, routed, alone in (("pallas", "pallas_permute", "order"),
+                                    ("mosaic", "mosaic_permute", "mosaic_order")):
+            orders[batch, kind] = (
+                order_agrees(compiled[batch, routed](bias, logits[batch][0]), cfg)
+                and all(bool(jnp.array_equal(g, w)) for g, w in zip(
+                    compiled[batch, alone](bias, ids[batch][0]),
+                    reference_routing.permutation(ids[batch][0], cfg))))
 
     rows = []
     for batch in batches:
-        for backend in ("pallas", "xla"):
+        for backend in ("pallas", "xla", "mosaic"):
             rows.append(dict(stage="route", backend=backend, tp=1, batch=batch,
                              time_us=round(times[batch, backend], 3),
                              bytes=rt.route_bytes(batch, cfg.experts, cfg.top_k)))
@@ -200,15 +217,21 @@ def main() -> None:
             dict(stage="route_permute", backend=backend, tp=1, batch=batch,
                  time_us=round(times[batch, f"{backend}_permute"], 3),
                  bytes=rt.route_bytes(batch, cfg.experts, cfg.top_k)
-                 + rt.permute_bytes(batch, cfg.experts, cfg.top_k))
-            for batch in batches for backend in ("pallas", "xla")]
+                 + (rt.mosaic.permute_bytes if backend == "mosaic" else rt.permute_bytes)(
+                     batch, cfg.experts, cfg.top_k))
+            for batch in batches for backend in ("pallas", "xla", "mosaic")]
         detail = [dict(batch=batch, route_us=round(times[batch, "pallas"], 3),
                        order_alone_us=round(times[batch, "order"], 3),
                        xla_route_us=round(times[batch, "xla"], 3),
                        xla_permute_kernels=kernels[batch, "xla_permute"],
                        pallas_permute_kernels=kernels[batch, "pallas_permute"],
                        order_kernels=kernels[batch, "order"],
-                       order_equals_reference=orders[batch]) for batch in batches]
+                       order_equals_reference=orders[batch, "pallas"],
+                       mosaic_route_us=round(times[batch, "mosaic"], 3),
+                       mosaic_order_alone_us=round(times[batch, "mosaic_order"], 3),
+                       mosaic_permute_kernels=kernels[batch, "mosaic_permute"],
+                       mosaic_order_equals_reference=orders[batch, "mosaic"])
+                  for batch in batches]
         timing.write_result(args.out, "bench_route_permute", device.device_kind, permute_rows,
                             "route_permute", READ_CEILING_TBS, f"HBM read {READ_CEILING_TBS} TB/s",
                             detail=detail)
@@ -235,15 +258,18 @@ def main() -> None:
     print(f"\nroute, K3 (896 experts, top-16), {device.device_kind}, {time.strftime('%Y-%m-%d')}, "
           "CUPTI kernel time per call")
     print(f"{'B':>4} {'pallas us':>10} {'xla us':>8} {'xla/pallas':>10} {'target us':>9} "
-          f"{'met':>4} {'ids==xla':>8}  config")
+          f"{'met':>4} {'ids==xla':>8} {'mosaic us':>9} {'mosaic/pallas':>13} {'ids==xla':>8}  "
+          "config")
     for batch in batches:
         k, x = times[batch, "pallas"], times[batch, "xla"]
         target = TARGET_US.get(batch)
         met = "-" if target is None else ("yes" if k <= target and x / k >= 4 else "NO")
         if target is None:
             met = "yes" if x / k >= 4 else "NO"
+        m = times[batch, "mosaic"]
         print(f"{batch:>4} {k:>10.2f} {x:>8.2f} {x / k:>10.2f} {target or '-':>9} {met:>4} "
-              f"{agree[batch, 'pallas']:>8.3f}  {configs[batch].name} ({configs[batch].select})")
+              f"{agree[batch, 'pallas']:>8.3f} {m:>9.2f} {m / k:>13.2f} "
+              f"{agree[batch, 'mosaic']:>8.3f}  {configs[batch].name} ({configs[batch].select})")
     if not args.no_permute:
         print_permute_table(batches, times, orders, device.device_kind)
 
@@ -262,14 +288,18 @@ def print_permute_table(batches, times, orders, device_kind: str) -> None:
     print(f"\nroute + dispatch order, K3 (896 experts, top-16), {device_kind}, "
           f"{time.strftime('%Y-%m-%d')}, CUPTI kernel time per call")
     print(f"{'B':>4} {'route us':>9} {'+order us':>9} {'added us':>8} {'xla+argsort us':>14} "
-          f"{'xla/ours':>8} {'order alone':>11} {'met':>4} {'order==ref':>10}")
+          f"{'xla/ours':>8} {'order alone':>11} {'met':>4} {'order==ref':>10} "
+          f"{'mosaic +order':>13} {'mosaic order':>12} {'mosaic/pallas':>13} {'==ref':>5}")
     for batch in batches:
         alone, permuted = times[batch, "pallas"], times[batch, "pallas_permute"]
         xla = times[batch, "xla_permute"]
         met = "yes" if permute_targets(batch, alone, permuted, xla) else "NO"
+        mosaic = times[batch, "mosaic_permute"]
         print(f"{batch:>4} {alone:>9.2f} {permuted:>9.2f} {permuted - alone:>8.2f} {xla:>14.2f} "
               f"{xla / permuted:>8.2f} {times[batch, 'order']:>11.2f} {met:>4} "
-              f"{str(orders[batch]):>10}")
+              f"{str(orders[batch, 'pallas']):>10} {mosaic:>13.2f} "
+              f"{times[batch, 'mosaic_order']:>12.2f} {mosaic / permuted:>13.2f} "
+              f"{str(orders[batch, 'mosaic']):>5}")
 
 
 if __name__ == "__main__":

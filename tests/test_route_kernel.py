@@ -486,6 +486,18 @@ def test_schedule_table_from_tuning_data(kind):
         assert rt.pick_config(1, 256, 8) == rt.heuristic_config(1, 256, 8)
 
 
+def assert_argument_errors(route):
+    """The ``ValueError``s of a routing kernel's ``route(logits, bias, cfg)`` for wrong logits, an
+    empty batch and a wrong bias."""
+    bias = jnp.zeros((K3.experts,), jnp.float32)
+    with pytest.raises(ValueError, match=r"logits must be \[B, experts=896\] float32"):
+        route(jnp.zeros((2, 64), jnp.float32), bias, K3)
+    with pytest.raises(ValueError, match="logits is an empty batch"):
+        route(jnp.zeros((0, 896), jnp.float32), bias, K3)
+    with pytest.raises(ValueError, match=r"bias must be \(896,\) float32"):
+        route(jnp.zeros((2, 896), jnp.float32), bias[:5], K3)
+
+
 def test_heuristic_and_config_errors():
     assert rt.heuristic_config(1, 896, 16) == rt.RouteConfig(1, 4, "groups")
     assert rt.heuristic_config(1, 100, 6) == rt.RouteConfig(1, 1, "groups")
@@ -502,13 +514,8 @@ def test_heuristic_and_config_errors():
     configs = [rt.RouteConfig(1, 4), rt.RouteConfig(2, 8, "groups"),
                rt.RouteConfig(1, 4, "groups", 8), rt.RouteConfig(1, 4, "groups", 8, 8)]
     assert [c.name for c in configs] == ["r1w4", "r2w8g", "r1w4g8", "r1w4g8x8"]
+    assert_argument_errors(rt.route)
     bias = jnp.zeros((K3.experts,), jnp.float32)
-    with pytest.raises(ValueError, match=r"logits must be \[B, experts=896\] float32"):
-        rt.route(jnp.zeros((2, 64), jnp.float32), bias, K3)
-    with pytest.raises(ValueError, match="logits is an empty batch"):
-        rt.route(jnp.zeros((0, 896), jnp.float32), bias, K3)
-    with pytest.raises(ValueError, match=r"bias must be \(896,\) float32"):
-        rt.route(jnp.zeros((2, 896), jnp.float32), bias[:5], K3)
     with pytest.raises(ValueError, match="config must be a RouteConfig"):
         rt.route(jnp.zeros((2, 896), jnp.float32), bias, K3, config=(1, 4))
     big = mf.FrontConfig(hidden=64, experts=8192, top_k=16, latent=32, shared=0)
@@ -540,28 +547,18 @@ def edge_rows(experts):
     return rows
 
 
-@pytest.mark.gpu
-def test_gpu_matches_xla_reference(select):
-    """100,000 random rows and the edge cases on the GPU, against the XLA reference on the same
-    device: ids equal wherever the reference's sorted keys down to the 17th are more than 8 ulps
-    apart (the chosen set wherever the 16th and 17th are), ties to the lower id, weights within one
-    bf16 ulp where the ids agree, never a NaN weight or a repeated id.
-
-    Bit-equal keys count as near ties in random rows: the kernel's sigmoid (libdevice exp, a
-    correctly rounded division) and XLA's differ in the last bits, so two keys equal under XLA's
-    sigmoid need not be equal under the kernel's. Genuine ties, from bit-equal logits and biases, are
-    the edge rows. Both selections, each with the device's picked schedules."""
-    cfg = K3
+def compare_with_xla_on_gpu(kernel, cfg, on_batch=None):
+    """``kernel(logits, bias)`` (its first two outputs ids and weights) on ``GPU_ROWS`` random rows
+    and the edge rows, against the XLA reference on the same device: ids equal wherever the
+    reference's sorted keys down to rank ``K + 1`` are more than ``CLEAR_ULPS`` apart (the chosen set
+    wherever ranks ``K`` and ``K + 1`` are), weights within one bf16 ulp where the ids agree, never a
+    NaN weight or a repeated id; ``on_batch(outputs)`` on each batch's outputs. Bit-equal keys count
+    as near ties in random rows (the kernel's sigmoid and XLA's differ in the last bits); genuine
+    ties are the edge rows. Returns the edge rows' ids."""
     k = cfg.top_k
     rng = np.random.default_rng(11)
     bias = rng.uniform(-0.05, 0.05, cfg.experts).astype(np.float32)
     random_rows = rng.normal(0, 2, (GPU_ROWS, cfg.experts)).astype(np.float32)
-
-    def route(logits, bias):
-        config = rt.pick_config(logits.shape[0], cfg.experts, cfg.top_k)
-        return rt.route(logits, bias, cfg, config=dataclasses.replace(config, select=select))
-
-    kernel = jax.jit(route)
     xla = jax.jit(lambda l, b: reference.route(l, b, cfg))
     keys_of = jax.jit(lambda l, b: reference.ordered_key(jax.nn.sigmoid(l) + b))
     edges = jnp.asarray(edge_rows(cfg.experts))
@@ -571,7 +568,10 @@ def test_gpu_matches_xla_reference(select):
         (jnp.asarray(random_rows[i:i + 256]), jnp.asarray(bias), False)
         for i in range(0, GPU_ROWS, 256)
     ]:
-        ids, weights = map(np.asarray, kernel(logits, row_bias))
+        outputs = kernel(logits, row_bias)
+        if on_batch is not None:
+            on_batch(outputs)
+        ids, weights = map(np.asarray, outputs[:2])
         ref_ids, ref_weights = map(np.asarray, xla(logits, row_bias))
         assert_valid(ids, weights, cfg.experts)
         keys = np.sort(np.asarray(keys_of(logits, row_bias)).astype(np.int64), axis=1)[:, ::-1]
@@ -584,7 +584,12 @@ def test_gpu_matches_xla_reference(select):
         same = (ids == ref_ids).all(axis=1)
         assert oracle.bf16_ulp_distance(weights[same], ref_weights[same]).max(initial=0) <= 1
         checked += 0 if ties else int(clear.sum())
-    edge_ids = np.asarray(kernel(edges, zero)[0])
+    assert checked >= 0.99 * GPU_ROWS, checked
+    return np.asarray(kernel(edges, zero)[0])
+
+
+def assert_edge_ids(edge_ids):
+    """The edge rows' ids: ties to the lower id, NaN lowest, infinities."""
     np.testing.assert_array_equal(edge_ids[0], np.arange(16) * 7)
     np.testing.assert_array_equal(edge_ids[1], np.arange(16))
     np.testing.assert_array_equal(edge_ids[2], np.arange(16))
@@ -592,4 +597,15 @@ def test_gpu_matches_xla_reference(select):
     np.testing.assert_array_equal(edge_ids[5], np.arange(16))
     np.testing.assert_array_equal(edge_ids[6], np.arange(880, 896))
     np.testing.assert_array_equal(edge_ids[7], [500, 40, 890, 7, 300, 0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11])
-    assert checked >= 0.99 * GPU_ROWS, checked
+
+
+@pytest.mark.gpu
+def test_gpu_matches_xla_reference(select):
+    """``compare_with_xla_on_gpu`` with both selections, each with the device's picked schedules."""
+    cfg = K3
+
+    def route(logits, bias):
+        config = rt.pick_config(logits.shape[0], cfg.experts, cfg.top_k)
+        return rt.route(logits, bias, cfg, config=dataclasses.replace(config, select=select))
+
+    assert_edge_ids(compare_with_xla_on_gpu(jax.jit(route), cfg))
