@@ -1,6 +1,7 @@
 """The package's import graph: no cycles, and dependencies that point one way.
 
-Layers, top to bottom: the package's lazy ``__init__``; the API (``nn`` and ``layers``; then ``api``
+Layers, top to bottom: the main job (``demo``); the package's lazy ``__init__``; the API (``nn``
+and ``layers``; then ``api``
 and ``checkpoint``; then ``parallel`` and ``mailbox``); the plan (``planner``, the one module that
 decides what runs); the stage table (``registry``); the kernels (``pallas``, ``bridge``); the base
 (``config``, ``configs``, ``params``, ``reference``). Every edge points to a lower layer; only the
@@ -22,6 +23,7 @@ FOLDERS = {"moe_front_jax": "moe_front_jax", "pallas": "moe_front_jax.pallas",
            "bridge": "moe_front_jax.bridge"}
 MODULE_STRING = re.compile(r"^(moe_front_jax(?:\.\w+)+)(?::\w+)?$")
 LAYERS = (  # top to bottom; a module's layer is the first whose prefixes it matches
+    ("main job", ("moe_front_jax.demo",), False),
     ("package", ("moe_front_jax",), False),
     ("module", ("moe_front_jax.nn", "moe_front_jax.layers"), False),
     ("entry points", ("moe_front_jax.api", "moe_front_jax.checkpoint"), False),
@@ -36,10 +38,12 @@ LAYERS = (  # top to bottom; a module's layer is the first whose prefixes it mat
 
 
 def layer(module: str) -> int:
-    """The index in ``LAYERS`` of ``module``'s layer (the package itself is the top)."""
+    """The index in ``LAYERS`` of ``module``'s layer (the package itself is the second)."""
     if module == "moe_front_jax":
-        return 0
-    for index, (_, prefixes, _) in enumerate(LAYERS[1:], 1):
+        return 1
+    for index, (_, prefixes, _) in enumerate(LAYERS):
+        if index == 1:
+            continue
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return index
     raise AssertionError(f"{module} is in no layer of LAYERS")
