@@ -235,7 +235,7 @@ def down_proj_t(
                  "shared_down", batch_t=batch)
 
 
-def check_situ(cfg: FrontConfig) -> None:
+def check_situ(cfg) -> None:
     """Raise ``NotImplementedError`` unless the shared expert's activation is ``situ``, the one its
     epilogues compute."""
     if cfg.activation != "situ":
