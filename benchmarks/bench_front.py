@@ -8,7 +8,8 @@ layer's outputs (an optimization barrier), so no layer starts early. At tp1 a la
 ``moe_front(x, params, plan=True, backend=...)``. At tp 2, 4 and 8 it is one rank's work with the
 exchange left out: the rank's front GEMM, its logits and latent repeated tp times where the
 exchange's all-gather would deliver every rank's, routing over all experts, the plan, and the
-shared expert's float32 partial sum (``parallel.rank_front`` without the collectives). Per layer,
+shared expert's float32 partial sum (a rank's plan, ``mf.explain(..., axis_name=...)``, without
+the collectives). Per layer,
 for ``xla``, ``auto`` and ``pallas`` in one process: the span (the program's first kernel start to
 its last kernel end in a profiler trace, divided by the layers: gaps and launches included), the
 sum of its kernels' times (CUPTI's, from the same trace), the host's wall clock, and the kernels

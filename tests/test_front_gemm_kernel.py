@@ -167,14 +167,14 @@ def test_moe_front_takes_the_plan_from_the_gemm_epilogue(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(module, name, spy)
-    registry._load.cache_clear()
+    registry.load.cache_clear()
     cfg = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=128, top_k=16, latent=256, shared=0)
     params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg, shared=False), cfg)
     x = jax.random.normal(jax.random.key(1), (5, SMALL_HIDDEN)).astype(jnp.bfloat16)
     try:
         got = jax.jit(lambda x, p: mf.moe_front(x, p, plan=True, backend="interpret"))(x, params)
     finally:
-        registry._load.cache_clear()
+        registry.load.cache_clear()
     want = mf.moe_front(x, params, plan=True, backend="xla")
     assert len(calls) == 1
     np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), rtol=0, atol=1e-5)

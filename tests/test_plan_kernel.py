@@ -227,9 +227,9 @@ def plan_spy(monkeypatch):
 
     monkeypatch.setattr(pp, "plan", spy)
     monkeypatch.setattr(plan_stage, "plan", spy)
-    registry._load.cache_clear()
+    registry.load.cache_clear()
     yield calls
-    registry._load.cache_clear()
+    registry.load.cache_clear()
 
 
 def small_front(cfg):

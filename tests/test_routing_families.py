@@ -258,7 +258,7 @@ def test_kernels_refuse_what_they_do_not_compute():
     from moe_front_jax.pallas.engine import kernel as engine
     from moe_front_jax.pallas.route import kernel as route_kernel
     from moe_front_jax.pallas.route_collect import kernel as route_collect
-    from moe_front_jax.pallas.shared_expert import triton
+    from moe_front_jax.pallas.shared_expert import kernel as shared_expert
 
     logits, bias = jnp.zeros((2, 64), jnp.float32), jnp.zeros((64,), jnp.float32)
     with pytest.raises(NotImplementedError, match="groups=8, topk_groups=4 runs the reference"):
@@ -270,7 +270,7 @@ def test_kernels_refuse_what_they_do_not_compute():
     x = jnp.zeros((2, 64), jnp.bfloat16)
     gate_up, down = jnp.zeros((128, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="activation='silu' runs the reference"):
-        triton.covers(x, gate_up, down, silu)
+        shared_expert.covers(x, gate_up, down, silu)
     packed = jnp.zeros((128, 64), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="activation='silu'"):
         engine.covers_front_gate_up(x, packed, 64, 64, gate_up, silu)
@@ -287,8 +287,10 @@ def test_fronts_without_a_latent_run_the_reference_on_every_backend():
     x, packed = jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="packed has no latent rows"):
         front_gemm.covers(x, packed, 64, 64)
+    gate_up = jnp.zeros((128, 64), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="packed has no latent rows"):
-        engine.covers_front_gemm(x, packed, 64, 64)
+        engine.covers_front_gate_up(x, packed, 64, 64, gate_up, mf.FrontConfig(
+            hidden=64, experts=64, top_k=8, latent=0, shared=64))
     cfg = dataclasses.replace(mf.configs.DEEPSEEK_V3, hidden=128)
     params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg), cfg)
     rows = jax.random.normal(jax.random.key(1), (3, 128), jnp.bfloat16)

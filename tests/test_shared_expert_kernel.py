@@ -145,14 +145,14 @@ def test_moe_front_runs_the_kernel_under_interpret(monkeypatch):
     monkeypatch.setattr(shared_stage, "shared_expert", spy)
     monkeypatch.setitem(registry.STAGES, "route", dataclasses.replace(
         registry.STAGES["route"], kernel="test_shared_expert_kernel:route_any"))
-    registry._load.cache_clear()
+    registry.load.cache_clear()
     cfg = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=128, top_k=16, latent=256, shared=96)
     params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg), cfg)
     x = jax.random.normal(jax.random.key(1), (65, SMALL_HIDDEN)).astype(jnp.bfloat16)
     try:
         got = jax.jit(lambda x, p: mf.moe_front(x, p, backend="interpret"))(x, params)
     finally:
-        registry._load.cache_clear()
+        registry.load.cache_clear()
     assert calls == [{"interpret": True}]
     want = mf.moe_front(x, params, backend="xla")
     assert got.shared.dtype == jnp.bfloat16 and got.shared.shape == (65, SMALL_HIDDEN)
