@@ -117,7 +117,7 @@ def check_weights(weights: Mapping[str, jax.Array], cfg: FrontConfig) -> bool:
         missing = next(k for k in SHARED_KEYS if k not in weights)
         raise ValueError(f"weights has {present[0]!r} but not {missing!r}: give both or neither")
     if present and not cfg.shared:
-        raise ValueError(f"weights has shared-expert keys but FrontConfig.shared is 0")
+        raise ValueError("weights has shared-expert keys but FrontConfig.shared is 0")
     for name, (shape, dtype) in expected.items():
         if name in SHARED_KEYS and not present:
             continue

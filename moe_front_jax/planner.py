@@ -174,7 +174,7 @@ class _Builder:
 
     def choose(self, stage: str, *args, **kwargs) -> registry.Choice:
         """``registry.choose`` over the avals; a kernel that does not cover them is the reference,
-        under every backend (SPEC section 8)."""
+        under every backend (SPEC section 9)."""
         values = self._values(args)
         try:
             return registry.choose(stage, self.backend, *values, **kwargs)

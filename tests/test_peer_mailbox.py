@@ -190,7 +190,7 @@ def peer_store(boxes, rank, logits, latent):
     """Rank ``rank``'s peer publish: its words into EVERY rank's buffer, at the generation its own
     control gives (``mb.publish`` on the peer's buffer under this rank's control words); only its own
     control records the generation."""
-    cfg, own = boxes[rank].cfg, boxes[rank].control
+    own = boxes[rank].control
     stored = []
     for box in boxes:
         published = mb.publish(dataclasses.replace(box, control=own), logits, latent, rank,

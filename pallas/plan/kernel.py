@@ -161,7 +161,7 @@ def plan_bytes(batch: int, latent: int, block: int) -> int:
 
 
 def _kernel(latent_ref, values_ref, scales_ref, *, segments: int, config: PlanConfig, block: int):
-    rows, width = config.block_rows, config.width
+    rows = config.block_rows
     first = pl.program_id(0) * rows
     # A mask only where the last program runs past the segments: else plain 16-byte vectors.
     row_ok = (first + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)) < segments
