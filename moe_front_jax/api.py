@@ -194,8 +194,25 @@ def moe_front(
       out = jax.jit(mf.moe_front)(x, params)      # x: [B, 7168] bfloat16
       out.ids, out.weights                         # [B, 16] int32, [B, 16] bfloat16
     """
-    plan = check_static_bool("plan", plan, "moe_front")
-    permute = check_static_bool("permute", permute, "moe_front")
+    plan, permute = _check_call(x, params, plan, permute, backend, axis_name, shared_reduce,
+                                mailbox, "moe_front")
+    if axis_name is not None:
+        parallel.check_rank(params, axis_name, shared_reduce)
+    options = dict(plan=plan, permute=permute, backend=backend, axis_name=axis_name,
+                   shared_reduce=shared_reduce)
+    if mailbox is None:
+        return _front_output(_planned_front(x, params, None, **options), params.cfg)
+    fields = _planned_front_donating(x, params, mailbox, **options)
+    return _front_output(fields, params.cfg), mailboxes.with_arrays(mailbox, fields["buffer"],
+                                                        fields["control"], fields["tickets"])
+
+
+def _check_call(x, params, plan, permute, backend, axis_name, shared_reduce, mailbox,
+                function: str) -> tuple[bool, bool]:
+    """``moe_front``'s and ``explain``'s argument checks (those that need no ``shard_map``);
+    returns ``(plan, permute)`` as bools."""
+    plan = check_static_bool("plan", plan, function)
+    permute = check_static_bool("permute", permute, function)
     registry.check_backend(backend)
     parallel.check_shared_reduce(shared_reduce)
     if axis_name is None and isinstance(params, FrontParams) and params.mesh is not None:
@@ -207,23 +224,16 @@ def moe_front(
     else:
         check_params(params)
         check_rows(x, params.cfg)
-        if axis_name is not None:
-            parallel.check_rank(params, axis_name, shared_reduce)
-        elif params.cfg.tp != 1:
+        if axis_name is None and params.cfg.tp != 1:
             raise ValueError(
                 f"params are one rank's shard of tp={params.cfg.tp}; call moe_front inside "
                 "jax.shard_map with axis_name=..., or pass the output of shard_params"
             )
+        parallel.check_scatter(shared_reduce, params.cfg, params.cfg.tp)
         if mailbox is not None:
             mailboxes.check_mailbox(mailbox, params.cfg, x.shape[0])
     check_plan(plan, params.cfg)
-    options = dict(plan=plan, permute=permute, backend=backend, axis_name=axis_name,
-                   shared_reduce=shared_reduce)
-    if mailbox is None:
-        return _front_output(_planned_front(x, params, None, **options), params.cfg)
-    fields = _planned_front_donating(x, params, mailbox, **options)
-    return _front_output(fields, params.cfg), mailboxes.with_arrays(mailbox, fields["buffer"],
-                                                        fields["control"], fields["tickets"])
+    return plan, permute
 
 
 def _planned_front(x, params: FrontParams, mailbox, **options) -> dict:
@@ -232,6 +242,8 @@ def _planned_front(x, params: FrontParams, mailbox, **options) -> dict:
     if options["axis_name"] is not None:
         parallel.check_vma_off(params, options["axis_name"], options["backend"],
                                front.runs_kernels)
+    if front.transport == "peer":
+        mailboxes.check_peer_generations(mailbox)
     return planner.run_front(front, x, params, mailbox)
 
 
@@ -253,29 +265,21 @@ def explain(x, params: FrontParams, *, plan: bool = False, permute: bool = False
     kernel, in interpret mode or not, the reference, or a collective) and the rule that chose it.
 
     Raises:
-      ValueError: as ``moe_front`` (argument checks that need no ``shard_map``).
+      ValueError, NotImplementedError: as ``moe_front`` (the checks that need no ``shard_map``).
     """
     if isinstance(x, tuple):
         x = jax.ShapeDtypeStruct(x, jnp.bfloat16)
-    plan = check_static_bool("plan", plan, "explain")
-    permute = check_static_bool("permute", permute, "explain")
-    registry.check_backend(backend)
-    parallel.check_shared_reduce(shared_reduce)
-    sharded = axis_name is None and isinstance(params, FrontParams) and params.mesh is not None
-    if sharded:
-        parallel.check_sharded_params(params)
-        check_rows(x, params.cfg)
-        parallel.check_groups(x, params, shared_reduce)
-    else:
-        check_params(params)
-        check_rows(x, params.cfg)
-    check_plan(plan, params.cfg)
+    plan, permute = _check_call(x, params, plan, permute, backend, axis_name, shared_reduce,
+                                None if mailbox is True else mailbox, "explain")
     if mailbox is True:
+        if params.mesh is not None and axis_name is None:
+            raise NotImplementedError(_MAILBOX_TP)
         mailbox = jax.eval_shape(lambda: mailboxes.Mailbox.create(params.cfg, x.shape[0]))
-    elif mailbox is not None:
-        mailboxes.check_mailbox(mailbox, params.cfg, x.shape[0])
-    return planner.front_plan(x.shape[0], params, plan=plan, permute=permute, backend=backend,
-                              axis_name=axis_name, shared_reduce=shared_reduce, mailbox=mailbox)
+    front = planner.front_plan(x.shape[0], params, plan=plan, permute=permute, backend=backend,
+                               axis_name=axis_name, shared_reduce=shared_reduce, mailbox=mailbox)
+    if front.transport == "peer":
+        mailboxes.check_peer_generations(mailbox)
+    return front
 
 
 def route(

@@ -83,8 +83,9 @@ class FrontPlan:
     """What one call runs, in order.
 
     Attributes:
-      path: ``"one device"``, ``"one rank"`` (inside the caller's ``shard_map``) or ``"sharded"``
-        (the rank's steps on every device of ``mesh`` under ``jax.shard_map``).
+      path: ``"one device"``, ``"one rank"`` (inside the caller's ``shard_map``), ``"sharded"``
+        (the rank's steps on every device of ``mesh`` under ``jax.shard_map``), or for the mailbox's
+        and routing's own entry points ``"mailbox"`` and ``"route"``.
       backend, platform, device_kind: what the plan was made for.
       batch: the rows one rank's steps see.
       steps: the steps, in order.
@@ -127,11 +128,15 @@ class FrontPlan:
 
     @property
     def transport(self) -> str | None:
-        """How the ranks' shards reach the mailbox: ``"peer"``, ``"gather"``, or None (no mailbox)."""
+        """How the shards reach the mailbox: ``"peer"`` (stores into every rank's), ``"gather"``
+        (a local publish of every rank's shard, gathered at tp > 1), ``"epilogue"`` (the front
+        GEMM's own stores, tp = 1), or None (no mailbox)."""
         stages = {step.stage for step in self.steps}
         if "mailbox_peer_publish" in stages:
             return "peer"
-        return "gather" if stages & {"mailbox_publish", "front_gemm_publish"} else None
+        if "front_gemm_publish" in stages:
+            return "epilogue"
+        return "gather" if "mailbox_publish" in stages else None
 
     def stages(self) -> tuple[str, ...]:
         """The stages, in order."""
@@ -475,10 +480,11 @@ def route_plan(batch: int, cfg: FrontConfig, *, backend: str, permute: bool) -> 
     return FrontPlan("route", backend, platform, kind, batch, tuple(b.steps))
 
 
-def run(plan: FrontPlan, env: dict[str, Any]) -> dict[str, Any]:
-    """Run ``plan``'s steps over ``env`` (name -> array); returns the environment after them."""
+def run(plan: FrontPlan, env: dict[str, Any], first: int = 1) -> dict[str, Any]:
+    """Run ``plan``'s steps over ``env`` (name -> array), numbered from ``first`` in their name
+    scopes; returns the environment after them."""
     env = dict(env)
-    for index, step in enumerate(plan.steps, 1):
+    for index, step in enumerate(plan.steps, first):
         args = [env[a.name] if isinstance(a, Ref) else a for a in step.args]
         with jax.named_scope(step.scope(index)):
             result = step.run(*args, **dict(step.kwargs))
@@ -545,6 +551,7 @@ def _run_sharded(plan: FrontPlan, x: jax.Array, params: FrontParams) -> dict[str
         env = dict(fields)
         if explicit:  # a sort over the batch takes it whole, not split over Explicit data axes
             env["ids"] = jax.reshard(env["ids"], NamedSharding(mesh, PartitionSpec()))
-        env = run(dataclasses.replace(plan, steps=plan.after, after=()), env)
+        env = run(dataclasses.replace(plan, steps=plan.after, after=()), env,
+                  first=len(plan.steps) + 1)
         fields["dispatch"] = tuple(env[name] for name in DISPATCH)
     return fields

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import moe_front_jax as mf
-from moe_front_jax import planner
+from moe_front_jax import planner, registry
 from h200 import H200, verified_triton_modules
 
 CFG = mf.FrontConfig(hidden=256, experts=64, top_k=8, latent=128, shared=64)
@@ -35,7 +35,8 @@ def rows(batch, hidden=CFG.hidden):
 
 
 def kernel_steps(front: planner.FrontPlan) -> set[int]:
-    return {index for index, step in enumerate(front.steps, 1) if step.kernel}
+    """The numbers of the steps that run a kernel, the steps after a ``shard_map`` included."""
+    return {index for index, step in enumerate(front.steps + front.after, 1) if step.kernel}
 
 
 KERNEL_PRIMITIVES = ("pallas_call", "mpmd_map")
@@ -107,6 +108,35 @@ ONE_DEVICE = [
 ]
 
 
+def one_device_stages(backend: str, shared: bool, plan: bool) -> tuple[str, ...]:
+    """The stages the one-device path ran before the plan existed (b0fc3e6's ``api.moe_front``):
+    with a shared expert and the engine's kernels (``"interpret"``) the merged front; else the
+    GEMM, its plan epilogue where its kernel runs, or the plan stage."""
+    if shared and backend == "interpret":
+        return ("front_gate_up", "route", "shared_down")
+    if plan:
+        gemm = ("front_gemm_plan",) if backend == "interpret" else ("front_gemm", "plan")
+    else:
+        gemm = ("front_gemm",)
+    return (*gemm, "route", *(("shared_expert",) if shared else ()))
+
+
+def mailbox_stages(backend: str, shared: bool, plan: bool) -> tuple[str, ...]:
+    """The same with a mailbox: the GEMM's epilogue publishes where its kernel runs unmerged; the
+    routing kernel that polls collects where it runs and the plan is asked for."""
+    merged = shared and backend == "interpret"
+    if backend == "interpret" and not merged:
+        front = ("front_gemm_publish",)
+    else:
+        front = ("front_gate_up" if merged else "front_gemm", "mailbox_publish")
+    if plan and backend == "interpret":
+        collect = ("route_collect",)
+    else:
+        collect = ("mailbox_collect", "route", *(("plan",) if plan else ()))
+    tail = ("shared_down",) if merged else ("shared_expert",) if shared else ()
+    return (*front, *collect, *tail)
+
+
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
 @pytest.mark.parametrize("options", ONE_DEVICE, ids=str)
 @pytest.mark.parametrize("cfg", [CFG, NO_SHARED], ids=["shared", "no_shared"])
@@ -114,6 +144,7 @@ def test_one_device_plan_is_what_runs(backend, options, cfg):
     params, x = params_of(cfg), rows(5)
     front = mf.explain(x, params, backend=backend, **options)
     assert front.path == "one device" and front.runs_kernels == (backend == "interpret")
+    assert front.stages() == one_device_stages(backend, cfg.shared > 0, options.get("plan", False))
     found = traced_kernel_steps(partial(mf.moe_front, backend=backend, **options), x, params)
     assert_matches(front, found)
 
@@ -125,9 +156,9 @@ def test_one_device_mailbox_plan_is_what_runs(backend, plan, cfg):
     params, x = params_of(cfg), rows(5)
     box = mf.Mailbox.create(cfg, capacity=8)
     front = mf.explain(x, params, backend=backend, plan=plan, mailbox=box)
-    assert front.transport == "gather"
-    stages = front.stages()
-    assert ("route_collect" in stages) == (plan and backend == "interpret")
+    assert front.stages() == mailbox_stages(backend, cfg.shared > 0, plan)
+    epilogue = backend == "interpret" and not cfg.shared
+    assert front.transport == ("epilogue" if epilogue else "gather")
     found = traced_kernel_steps(
         lambda x, p, b: mf.moe_front(x, p, backend=backend, plan=plan, mailbox=b)[0], x, params, box)
     assert_matches(front, found)
@@ -251,3 +282,25 @@ def test_explain_checks_its_arguments():
         mf.explain((3, 256), params, backend="cuda")
     with pytest.raises(ValueError, match="mailbox was created for"):
         mf.explain((3, 256), params, mailbox=mf.Mailbox.create(NO_SHARED))
+
+
+def test_explain_refuses_what_moe_front_refuses(monkeypatch):
+    mesh = jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2])
+    weights = mf.init_weights(jax.random.key(0), CFG)
+    sharded = mf.shard_params(weights, CFG, mesh)
+    with pytest.raises(NotImplementedError, match="each rank needs its own mailbox"):
+        mf.explain((4, 256), sharded, mailbox=True)
+    rank = mf.pack_params(weights, CFG.with_tp(2), rank=0)
+    with pytest.raises(ValueError, match="params are one rank's shard of tp=2"):
+        mf.explain((4, 256), rank)
+    odd = dataclasses.replace(CFG, hidden=255, tp=2)
+    odd_rank = mf.pack_params(mf.init_weights(jax.random.key(0), odd.with_tp(1)), odd, rank=0)
+    with pytest.raises(ValueError, match="scatters hidden=255 over tp=2"):
+        mf.explain((4, 255), odd_rank, axis_name="tp", shared_reduce="psum_scatter")
+    # Peer stores across ranks (where the collect's GPU kernels run) need two generations.
+    monkeypatch.setattr(registry, "on_gpu", lambda: True)
+    one = mf.Mailbox.create(rank.cfg, capacity=8, generations=1)
+    with pytest.raises(ValueError, match="needs generations >= 2"):
+        mf.explain((4, 256), rank, axis_name="tp", mailbox=one)
+    front = mf.explain((4, 256), rank, axis_name="tp", mailbox=mf.Mailbox.create(rank.cfg, 8))
+    assert front.transport == "peer" and "mailbox_peer_publish" in front.stages()
