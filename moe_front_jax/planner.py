@@ -6,8 +6,8 @@ their arguments, ask ``front_plan`` (or ``exchange_plan``, ``route_plan``) for t
 ``run``; nothing else decides what runs. A plan is a pure function of static facts: the shapes, the
 params' config and split, the options, the backend and the target device (its platform and kind).
 Steps name their inputs and outputs in an environment of arrays, so one runner serves every path: one
-device, one rank inside ``jax.shard_map``, the sharded params' ``shard_map`` (the rank's plan run on
-every device), each with or without a mailbox. ``mf.explain`` prints a plan.
+device and one rank inside ``jax.shard_map``, each with or without a mailbox, and the sharded params'
+``shard_map`` (the rank's plan run on every device). ``mf.explain`` prints a plan.
 """
 
 from __future__ import annotations
