@@ -197,7 +197,7 @@ def moe_front(
     plan, permute = _check_call(x, params, plan, permute, backend, axis_name, shared_reduce,
                                 mailbox, "moe_front")
     if axis_name is not None:
-        parallel.check_rank(params, axis_name, shared_reduce)
+        parallel.check_rank(params, axis_name)
     options = dict(plan=plan, permute=permute, backend=backend, axis_name=axis_name,
                    shared_reduce=shared_reduce)
     if mailbox is None:

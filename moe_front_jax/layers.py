@@ -201,8 +201,6 @@ class MoELayer:
                  backend: str = "auto") -> tuple[jax.Array, FrontOutput]:
         self.check()
         cfg = self.cfg
-        if plan and not cfg.latent:
-            raise ValueError("plan=True needs a latent to quantize, but the config has latent=0")
         front = moe_front(x, self.front, plan=plan, permute=True, backend=backend)
         if not cfg.latent:
             inputs = x

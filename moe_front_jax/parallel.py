@@ -156,12 +156,12 @@ def check_scatter(shared_reduce: str, cfg: FrontConfig, tp: int) -> None:
         )
 
 
-def check_rank(params: FrontParams, axis_name: str, shared_reduce: str) -> None:
+def check_rank(params: FrontParams, axis_name: str) -> None:
     """Inside ``shard_map``: ``axis_name`` must be an axis of it, of ``params.cfg.tp`` devices.
 
     Raises:
-      ValueError: ``axis_name`` is not an axis of the enclosing ``jax.shard_map``, its size is not
-        ``params.cfg.tp``, or ``psum_scatter`` over a hidden size ``tp`` does not divide.
+      ValueError: ``axis_name`` is not an axis of the enclosing ``jax.shard_map``, or its size is not
+        ``params.cfg.tp``.
     """
     cfg = params.cfg
     try:
@@ -175,7 +175,6 @@ def check_rank(params: FrontParams, axis_name: str, shared_reduce: str) -> None:
             f"axis_name={axis_name!r} has {tp} devices but params are one rank's shard of "
             f"tp={cfg.tp}"
         )
-    check_scatter(shared_reduce, cfg, tp)
 
 
 def check_vma_off(params: FrontParams, axis_name: str, backend: str, runs_kernels: bool) -> None:

@@ -218,10 +218,13 @@ def _front_avals(batch: int, cfg: FrontConfig, split: int, has_shared: bool,
         avals["gate_up"] = _aval((2 * cfg.shared_per_rank, cfg.hidden), jnp.bfloat16)
         avals["down"] = _aval((cfg.hidden, cfg.shared_per_rank), jnp.bfloat16)
     if mailbox is not None:
-        for name in ("buffer", "control", "tickets"):
-            array = getattr(mailbox, name)
-            avals[name] = _aval(array.shape, array.dtype)
+        avals.update(_mailbox_avals(mailbox))
     return avals
+
+
+def _mailbox_avals(mailbox) -> dict[str, Any]:
+    return {name: _aval(getattr(mailbox, name).shape, getattr(mailbox, name).dtype)
+            for name in ("buffer", "control", "tickets")}
 
 
 def _logits_latent(batch: int, cfg: FrontConfig, whole: bool) -> tuple:
@@ -444,8 +447,7 @@ def exchange_plan(mailbox, batch: int, *, backend: str, transport: str, axis_nam
     (the front GEMM's, with ``gemm``), then the collect, or with ``route`` the routing of the
     collected rows (``plan``, ``permute`` as for ``moe_front``)."""
     cfg = mailbox.cfg
-    avals = {name: _aval(getattr(mailbox, name).shape, getattr(mailbox, name).dtype)
-             for name in ("buffer", "control", "tickets")}
+    avals = _mailbox_avals(mailbox)
     avals["bias"] = _aval((cfg.experts,), jnp.float32)
     logits, latent = _logits_latent(batch, cfg, whole=False)
     avals.update(logits_shard=logits, latent_shard=latent)

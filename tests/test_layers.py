@@ -71,8 +71,8 @@ SMALL = mf.FrontConfig(hidden=64, experts=16, top_k=4, latent=0, shared=32, grou
 
 def test_plan_needs_a_latent():
     layer = layers.MoELayer.init(jax.random.key(0), SMALL, 8)
-    with pytest.raises(ValueError, match="plan=True needs a latent to quantize, but the config has "
-                                         "latent=0"):
+    with pytest.raises(ValueError, match="FrontConfig.latent is 0: a front without a latent has no "
+                                         "plan"):
         layer(jnp.zeros((2, 64), jnp.bfloat16), plan=True)
 
 
