@@ -13,7 +13,9 @@ the collectives). Per layer,
 for ``xla``, ``auto`` and ``pallas`` in one process: the span (the program's first kernel start to
 its last kernel end in a profiler trace, divided by the layers: gaps and launches included), the
 sum of its kernels' times (CUPTI's, from the same trace), the host's wall clock, and the kernels
-launched. The floor is the layer's weight bytes at the read ceiling measured in the same run
+launched; and the host's side for a program that returns one small scalar, as a serving loop's
+step does: the dispatch time (until the call returns) and the pipelined time (calls back to back,
+one block at the end). The floor is the layer's weight bytes at the read ceiling measured in the same run
 (XLA's float32 sum over 2 GiB of bf16).
 The table prints last; everything goes to $OUT/bench_front.json (a variant that fails to compile
 or run is listed under "failed" with its error, and the run goes on), and the figure to
@@ -36,12 +38,15 @@ import numpy as np
 import moe_front_jax as mf
 import timing
 from moe_front_jax import registry
+from moe_front_jax.pallas.engine import layer as layer_kernel
 
-BACKENDS = ("xla", "auto", "pallas", "engine")
+BACKENDS = ("xla", "auto", "pallas", "engine", "layer")
 """``engine``: one rank's layer at tp > 1 on the streaming engine's merged front
 (``pallas.engine.front_gate_up``: router, latent, plan and the shared expert's gate/up in one
 launch), the routing kernel and the engine's down (B <= 64). At tp1 ``pallas`` is that already
-(``moe_front`` merges there), so ``engine`` runs only at tp > 1."""
+(``moe_front`` merges there), so ``engine`` runs only at tp > 1. ``layer``: the layer kernel
+(``pallas.engine.layer``: front, plan and the whole shared expert in one launch), then the routing
+kernel, at every tp (B <= 64)."""
 
 
 def weight_bytes(cfg: mf.FrontConfig) -> int:
@@ -60,12 +65,18 @@ def layer_params(cfg: mf.FrontConfig, layers: int) -> list[mf.FrontParams]:
     return out
 
 
+def gathered(tp: int, *shards):
+    """Each rank's shard repeated ``tp`` times along its columns: what the exchange's all-gather
+    would deliver (``rank_layer``)."""
+    return tuple(jnp.tile(shard, (1, tp)) for shard in shards)
+
+
 def rank_layer(x, params: mf.FrontParams, backend: str):
     """One rank's layer at ``params.cfg.tp > 1``, the exchange left out (module docstring)."""
     cfg = params.cfg
     logits, latent = registry.run("front_gemm", backend, x, params.packed, params.split,
                                   cfg.experts_per_rank)
-    logits, latent = jnp.tile(logits, (1, cfg.tp)), jnp.tile(latent, (1, cfg.tp))
+    logits, latent = gathered(cfg.tp, logits, latent)
     ids, weights = registry.run("route", backend, logits, params.bias, cfg)
     plan = registry.run("plan", backend, latent, cfg.plan_block)
     shared = registry.run("shared_expert", backend, x, params.gate_up, params.down, cfg, jnp.float32)
@@ -80,16 +91,31 @@ def engine_layer(x, params: mf.FrontParams):
     logits, latent, plan, hidden = registry.run(
         "front_gate_up", backend, x, params.packed, params.split, cfg.experts_per_rank,
         params.gate_up, cfg, plan=True)
-    logits, latent = jnp.tile(logits, (1, cfg.tp)), jnp.tile(latent, (1, cfg.tp))
-    plan = tuple(jnp.tile(part, (1, cfg.tp)) for part in plan)
+    logits, latent, *plan = gathered(cfg.tp, logits, latent, *plan)
     ids, weights = registry.run("route", backend, logits, params.bias, cfg)
     shared = registry.run("shared_down", backend, hidden, params.down, jnp.float32)
+    return ids, weights, latent, logits, shared, plan
+
+
+def kernel_layer(x, params: mf.FrontParams):
+    """A layer on the layer kernel, then the routing kernel; at tp > 1 one rank's, the exchange
+    left out as in ``rank_layer``."""
+    cfg = params.cfg
+    backend = "pallas" if registry.on_gpu() else "interpret"
+    out_dtype = jnp.float32 if cfg.tp > 1 else jnp.bfloat16
+    logits, latent, plan, shared = layer_kernel.layer(
+        x, params.packed, params.split, cfg.experts_per_rank, params.gate_up, params.down, cfg,
+        plan=True, out_dtype=out_dtype, interpret=backend == "interpret")
+    logits, latent, *plan = gathered(cfg.tp, logits, latent, *plan)
+    ids, weights = registry.run("route", backend, logits, params.bias, cfg)
     return ids, weights, latent, logits, shared, plan
 
 
 def layer(backend: str, tp: int):
     if backend == "engine":
         return engine_layer
+    if backend == "layer":
+        return kernel_layer
     if tp == 1:
         return lambda x, params: mf.moe_front(x, params, plan=True, backend=backend)
     return lambda x, params: rank_layer(x, params, backend)
@@ -121,6 +147,8 @@ def measure(backend: str, tp: int, batch: int, params, calls: int) -> dict:
         start = time.perf_counter()
         jax.block_until_ready(program())
         walls.append(time.perf_counter() - start)
+    dispatch_us, pipelined_us = host_us(
+        timing.chain_program(layer(backend, tp), xs, params, small=True), 3 * calls)
     traced = timing.trace_programs(program, calls)
     if not traced:
         raise RuntimeError("the profiler trace holds no kernel on the GPU's streams")
@@ -136,10 +164,26 @@ def measure(backend: str, tp: int, batch: int, params, calls: int) -> dict:
         span_us=statistics.median(max(s + d for _, s, d in p) for p in kept) / layers,
         programs_traced=len(kept), programs_left_out=len(traced) - len(kept),
         wall_us=statistics.median(walls) * 1e6 / layers,
+        dispatch_us=dispatch_us / layers, pipelined_us=pipelined_us / layers,
         kernels=[name for name, _, _ in kept[0][: count // layers]],
         program_kernels=[name for name, _, _ in kept[0]],
         kernel_us={name: round(us, 2) for name, us in kernel_us.items()},
     )
+
+
+def host_us(program, calls: int) -> tuple[float, float]:
+    """The host's side of ``program`` (``chain_program(..., small=True)``), microseconds a program:
+    the dispatch time (the median call's return, the GPU idle when it starts) and the pipelined
+    time (``calls`` calls back to back, one block at the end, divided by ``calls``)."""
+    dispatch = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        out = program()
+        dispatch.append(time.perf_counter() - start)
+        jax.block_until_ready(out)
+    start = time.perf_counter()
+    jax.block_until_ready([program() for _ in range(calls)])
+    return statistics.median(dispatch) * 1e6, (time.perf_counter() - start) / calls * 1e6
 
 
 def check(tp: int, batch: int) -> None:
@@ -150,7 +194,7 @@ def check(tp: int, batch: int) -> None:
     xs = [timing.rows(batch, cfg.hidden, seed=i) for i in range(2)]
     want = timing.chain_program(layer("xla", tp), xs, params)()
     kernels = "pallas" if registry.on_gpu() else "interpret"
-    for backend in ("auto", kernels, *(("engine",) if tp > 1 else ())):
+    for backend in ("auto", kernels, "layer", *(("engine",) if tp > 1 else ())):
         got = timing.chain_program(layer(backend, tp), xs, params)()
         for one, ref in zip(got, want):
             for field in (0, 1):  # ids, weights
@@ -215,8 +259,8 @@ def main() -> None:
         batches = args.batches if tp == 1 else args.rank_batches
         for batch in (int(b) for b in batches.split(",")):
             for backend in args.backends.split(","):
-                if backend == "engine" and (batch > 64 or tp == 1):
-                    continue  # the engine covers B <= 64; at tp1 it is "pallas"
+                if backend in ("engine", "layer") and batch > 64 or backend == "engine" and tp == 1:
+                    continue  # the engine covers B <= 64; at tp1 "engine" is "pallas"
                 try:
                     row = measure(backend, tp, batch, params, args.calls)
                 except Exception as error:  # one variant's failure is a row, not the end of the run
@@ -228,7 +272,8 @@ def main() -> None:
                 row.update(floor_us=floor, weight_bytes=weight_bytes(cfg))
                 rows.append(row)
                 print(f"tp={tp} B={batch} {backend}: span {row['span_us'] or float('nan'):.1f} us, "
-                      f"CUPTI {row['cupti_us']:.1f}, wall {row['wall_us']:.1f}, "
+                      f"CUPTI {row['cupti_us']:.1f}, wall {row['wall_us']:.1f}, dispatch "
+                      f"{row['dispatch_us']:.1f}, pipelined {row['pipelined_us']:.1f}, "
                       f"{row['kernels_per_layer']:g} kernels, compile {row['compile_s']} s", flush=True)
         del params
     os.makedirs(args.out, exist_ok=True)
@@ -249,6 +294,10 @@ def main() -> None:
                  if {"xla", "auto"} <= set(mine) and mine["auto"]["span_us"] else float("nan"))
         floor = next(iter(mine.values()))["floor_us"]
         print(f"| {tp} | {batch} | {floor:.1f} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+    print("\nthe host a layer, one small output (us): dispatch / pipelined, beside the span:")
+    for r in rows:
+        print(f"  tp{r['tp']} B={r['batch']} {r['backend']}: {r['dispatch_us']:.1f} / "
+              f"{r['pipelined_us']:.1f} (span {r['span_us'] or float('nan'):.1f})")
     print("\nwhere a layer's time goes (us a layer, each kernel's summed time; the span adds gaps):")
     for r in rows:
         spent = sorted(r["kernel_us"].items(), key=lambda kv: -kv[1])

@@ -256,18 +256,23 @@ CHAIN = 8
 """Calls per jitted program in the span measure."""
 
 
-def chain_program(fn, xs, pairs):
+def chain_program(fn, xs, pairs, small: bool = False):
     """A jitted, warmed program of ``len(xs)`` calls, one after another: call i on ``xs[i]`` and
     ``pairs[i]`` (no operand shared, so XLA merges no dots across calls), its ``xs[i]`` passed
     through an optimization barrier with call i - 1's output, so that XLA cannot start a call
     before the one before it has finished, nor interleave their kernels (it did, with independent
-    calls at tp8 B=1 on 2026-12-06, c486ce7), as the layers of a decode step follow one another."""
+    calls at tp8 B=1 on 2026-12-06, c486ce7), as the layers of a decode step follow one another.
+    ``small``: the program returns one float32 scalar (the last call's outputs through a barrier,
+    one element of each summed), as a serving loop's step returns little, not every output."""
 
     def calls(xs, ws):
         outs = [fn(xs[0], ws[0])]
         for x, w in zip(xs[1:], ws[1:]):
             _, x = lax.optimization_barrier((outs[-1], x))
             outs.append(fn(x, w))
+        if small:
+            last = jax.tree.leaves(lax.optimization_barrier(outs[-1]))
+            return sum(leaf.reshape(-1)[0].astype(jnp.float32) for leaf in last)
         return outs
 
     program = jax.jit(calls)
