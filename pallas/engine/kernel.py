@@ -48,7 +48,6 @@ from moe_front_jax.pallas.gemm.mosaic import (
     WGMMA_STEPS_IN_FLIGHT,
     await_inputs,
     interpret_params,
-    pad_rows,
     stage_transforms,
     tma_rows,
 )
@@ -252,7 +251,7 @@ def heuristic_config(depth: int, router: int = 0, latent: int = 0, gate_up: int 
     block_k, combo, stages = cut(tuple(p[1:] for p in present), depth, cores)
     fields = {name: r for (name, *_), r in zip(present, combo)}
     widest = max(parts * r for (_, _, parts, _, _), r in zip(present, combo))
-    return EngineConfig(**fields, block_k=block_k, num_stages=stages, pad_x=widest < MAX_BATCH)
+    return EngineConfig(**fields, block_k=block_k, num_stages=stages, pad_x=False)
 
 
 # --- the kernel --------------------------------------------------------------------------------------
@@ -271,39 +270,61 @@ def _stream(x_gmem, views, tile, rows: int, config: EngineConfig, chains: int = 
     """The float32 ``[64, rows]`` accumulators of row tile ``tile`` of each of ``views`` (one per
     part) against ``x`` over all of K. With ``chains > 1`` (one view) each K step is cut into
     ``chains`` column slices, each accumulated apart and summed at the end, so that no tensor-core
-    chain is longer than ``K / chains`` (``FOLD_K``)."""
+    chain is longer than ``K / chains`` (``FOLD_K``).
+    The ring: ``num_stages`` slots, each the parts' ``[rows, block_k]`` and a ``[64, block_k]`` slot
+    of ``x`` whose first ``x_gmem.shape[0]`` rows (a multiple of 8) the TMA copy fills; the rows
+    past them are never loaded, and only the accumulator rows they give (never stored) see them."""
     block_k = config.block_k
     steps = x_gmem.shape[1] // block_k
+    stages = min(config.num_stages, steps)
+    x_rows = x_gmem.shape[0]
     sub = block_k // chains
     transforms = stage_transforms(sub)
     parts = len(views)
+    count = chains if chains > 1 else parts
 
-    def scope(*accs):
-        def body(indices, *smem):
-            *w_smem, x_smem = smem
+    def scope(*refs):
+        w_rings, (x_ring, landed) = refs[:parts], refs[parts:]
+
+        def fetch(step, slot):
+            cols = pl.ds(step * block_k, block_k)
+            for view, ring in zip(views, w_rings):
+                plgpu.copy_gmem_to_smem(view.at[pl.ds(tile * rows, rows), cols], ring.at[slot],
+                                        landed.at[slot])
+            plgpu.copy_gmem_to_smem(x_gmem.at[:, cols], x_ring.at[slot, pl.ds(0, x_rows)],
+                                    landed.at[slot])
+
+        for step in range(stages):
+            fetch(step, step)
+        return pl.run_scoped(functools.partial(run, w_rings, x_ring, landed, fetch),
+                             *[plgpu.ACC((MAX_BATCH, rows), jnp.float32)] * count)
+
+    def run(w_rings, x_ring, landed, fetch, *accs):
+        def body(step, carry):
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(landed.at[slot])
+            x_smem = x_ring.at[slot]
             if chains == 1:
-                for acc, w in zip(accs, w_smem):
-                    plgpu.wgmma(acc, x_smem, w.T)
+                for acc, ring in zip(accs, w_rings):
+                    plgpu.wgmma(acc, x_smem, ring.at[slot].T)
             else:
-                (w,) = w_smem
+                (ring,) = w_rings
                 for c, acc in enumerate(accs):
                     cols = pl.ds(c * sub, sub)
-                    plgpu.wgmma(acc, x_smem.at[:, cols], w.at[:, cols].T)
-            # The wgmmas of steps before the last WGMMA_STEPS_IN_FLIGHT are done: their slots may
-            # be refilled.
-            plgpu.wgmma_wait(len(accs) * WGMMA_STEPS_IN_FLIGHT)
+                    plgpu.wgmma(acc, x_smem.at[:, cols], ring.at[slot, :, cols].T)
+            # The wgmmas of steps before the last WGMMA_STEPS_IN_FLIGHT are done: the slot of the
+            # step before this one takes the step ``stages`` after it.
+            plgpu.wgmma_wait(count * WGMMA_STEPS_IN_FLIGHT)
+            refill = step - WGMMA_STEPS_IN_FLIGHT + stages
 
-        w_specs = [
-            plgpu.BlockSpec((rows, block_k), lambda k: (tile, k), transforms=transforms,
-                            delay_release=WGMMA_STEPS_IN_FLIGHT)
-            for _ in views
-        ]
-        x_spec = plgpu.BlockSpec((MAX_BATCH, block_k), lambda k: (0, k), transforms=transforms,
-                                 delay_release=WGMMA_STEPS_IN_FLIGHT)
-        plgpu.emit_pipeline(
-            body, grid=(steps,), in_specs=[*w_specs, x_spec],
-            max_concurrent_steps=config.num_stages,
-        )(*views, x_gmem)
+            @pl.when((step >= WGMMA_STEPS_IN_FLIGHT) & (refill < steps))
+            def _():
+                fetch(refill, lax.rem(refill, stages))
+
+            return carry
+
+        lax.fori_loop(0, steps, body, None)
+        plgpu.wgmma_wait(0)
         if chains == 1:
             return tuple(acc[...] for acc in accs)
         total = accs[0][...]
@@ -311,8 +332,10 @@ def _stream(x_gmem, views, tile, rows: int, config: EngineConfig, chains: int = 
             total = total + acc[...]
         return (total,)
 
-    count = chains if chains > 1 else parts
-    return pl.run_scoped(scope, *[plgpu.ACC((MAX_BATCH, rows), jnp.float32)] * count)
+    ring = [plgpu.SMEM((stages, rows, block_k), jnp.bfloat16, transforms=transforms)] * parts
+    ring += [plgpu.SMEM((stages, MAX_BATCH, block_k), jnp.bfloat16, transforms=transforms),
+             plgpu.Barrier(num_arrivals=parts + 1, num_barriers=stages)]
+    return pl.run_scoped(scope, *ring)
 
 
 def _small_layout(bp: int):
@@ -407,11 +430,11 @@ def _epilogue(region: Region, accs, outs, column, bp: int, ep: _Epilogue) -> Non
 
 
 def x_operand(x, config: EngineConfig) -> jax.Array:
-    """``x`` ``[B, K]`` as a launch reads it: 64 rows where ``config.pad_x``, else ``tma_rows(B)``
-    (``pad_rows``). Either way the launch writes ``tma_rows(B)`` rows of each output."""
-    if config.pad_x and x.shape[0] < MAX_BATCH:
-        return jnp.pad(x, ((0, MAX_BATCH - x.shape[0]), (0, 0)))
-    return pad_rows(x)
+    """``x`` ``[B, K]`` as a launch reads it, each stage's TMA box of it (``_stream``): 64 rows
+    where ``config.pad_x``, else B rounded up to a multiple of 8, zero rows added in XLA (one small
+    fusion). Either way the launch writes ``tma_rows(B)`` rows of each output."""
+    rows = MAX_BATCH if config.pad_x else -(-x.shape[0] // 8) * 8
+    return x if rows == x.shape[0] else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
 
 
 def _launch(x, weights, regions: tuple[Region, ...], out_types, config: EngineConfig,

@@ -15,7 +15,8 @@ deadlock it. Mosaic GPU's interpret mode runs no semaphores: there the same tabl
 launches, the front tiles, then the down tiles.
 
 Cost: ``kernel.front_gate_up``'s bytes plus ``kernel.down``'s (``kernel``'s docstring); ``hidden``
-``[64, S_r]`` bf16 goes through L2 (written once, re-read by every down tile). The semaphore is a
+``[x rows, S_r]`` bf16 (``x_operand``'s rows) goes through L2, written once, re-read by every down
+tile. The semaphore is a
 4-byte global that XLA zero-fills before each launch (one small kernel).
 """
 
@@ -151,7 +152,7 @@ def _kernel(table_ref, x_gmem, packed, gate_up, down, *outs, plan: Queues, front
         accs = _stream(hidden if is_down else x_gmem, views, tile, region.cta_rows,
                        down_config if is_down else front_config,
                        chains if region.kind == LOGITS else 1)
-        rows = MAX_BATCH if region.kind == GATE_UP else bp
+        rows = x_gmem.shape[0] if region.kind == GATE_UP else bp  # the rows the down reads
         _epilogue(region, accs, outs, tile * region.cta_rows, rows, ep)
         if region.kind == GATE_UP and sem is not None:
             _fence_async_global()
@@ -193,6 +194,7 @@ def layer(x, packed, split: int, valid: int, gate_up, down, cfg: FrontConfig, *,
     batch, shard = x.shape[0], packed.shape[0] - split
     bp = tma_rows(batch)
     router, latent = _front_regions(valid, split, shard, front_config)
+    x_in = x_operand(x, front_config)
     f32, bf16 = jnp.float32, jnp.bfloat16
     outs = [jax.ShapeDtypeStruct((bp, valid), f32), jax.ShapeDtypeStruct((bp, shard), bf16)]
     if plan:
@@ -202,12 +204,12 @@ def layer(x, packed, split: int, valid: int, gate_up, down, cfg: FrontConfig, *,
     gate = Region(GATE_UP, 1, (0, s_r), s_r, front_config.gate_up_rows, (len(outs) + 1,))
     shared = Region(DOWN, 2, (0,), hidden_width, down_config.down_rows, (len(outs),))
     outs += [jax.ShapeDtypeStruct((bp, hidden_width), out_dtype),
-             jax.ShapeDtypeStruct((MAX_BATCH, s_r), bf16)]
+             jax.ShapeDtypeStruct((x_in.shape[0], s_r), bf16)]
     work = queues((router, latent, gate), shared, front_config, down_config, hidden_width, s_r,
                   core_count())
     ep = _Epilogue(cfg.situ_beta, cfg.linear_beta, out_dtype, block)
     table = jnp.asarray(work.table)
-    operands = (table, x_operand(x, front_config), packed, gate_up, down)
+    operands = (table, x_in, packed, gate_up, down)
     call = functools.partial(_call, work, front_config, down_config, ep, bp, interpret)
     if interpret:
         *front, _, hidden = call("front", outs, operands)
