@@ -32,10 +32,10 @@ def k3_queues(tp: int) -> el.Queues:
     front = ek.heuristic_config(K3.hidden, router=valid, latent=shard, gate_up=s_r,
                                 plan_block=cfg.plan_block)
     down = ek.heuristic_config(s_r, down=K3.hidden)
-    router, latent = ek._front_regions(valid, valid, shard, front)
-    gate = ek.Region(ek.GATE_UP, 1, (0, s_r), s_r, front.gate_up_rows, (4,))
-    shared = ek.Region(ek.DOWN, 2, (0,), K3.hidden, down.down_rows, (5,))
-    return el.queues((router, latent, gate), shared, front, down, K3.hidden, s_r, 132)
+    regions, _ = ek._front_parts(valid, valid, shard, 8, cfg.plan_block, front)
+    gate = ek.Region(ek.GATE_UP, 1, (0, s_r), s_r, front.gate_up_rows, (5,))
+    shared = ek.Region(ek.DOWN, 2, (0,), K3.hidden, down.down_rows, (4,))
+    return el.queues((*regions, gate), shared, front, down, K3.hidden, s_r, 132)
 
 
 def check_queues(q: el.Queues, ctas: int) -> None:
@@ -160,9 +160,8 @@ def test_covers_errors():
                         SMALL)
     with pytest.raises(ValueError, match="out_dtype"):
         el.covers_layer(x, w, SPLIT, VALID, gate_up, down, SMALL, out_dtype=jnp.float16)
-    with pytest.raises(NotImplementedError, match="situ"):
-        el.covers_layer(x, w, SPLIT, VALID, gate_up, down,
-                        dataclasses.replace(SMALL, activation="silu"))
+    with pytest.raises(ValueError, match=r"need 0 < valid <= split <= rows of packed.*split=81"):
+        el.covers_layer(x, w[:SPLIT], SPLIT + 1, VALID, gate_up, down, SMALL)
 
 
 # --- lowering -----------------------------------------------------------------------------------
@@ -258,3 +257,28 @@ def test_gpu_layer_many_launches_in_a_row(tp):
     for i, (x, out) in enumerate(jax.jit(chain)(xs[0], *weights)):
         for a, b in zip(_flat(out), _flat(two(x, *weights))):
             np.testing.assert_array_equal(a, b, err_msg=f"chained layer {i}")
+
+
+@pytest.mark.parametrize("activation", ["situ", "silu"])
+@pytest.mark.parametrize("batch", (1, 37))
+def test_interpret_layer_without_a_latent(batch, activation):
+    """A front without a latent (``latent = 0``: DeepSeek-V3, Kimi-K2, GLM-4.5), with either
+    activation: the router rows alone beside the shared expert. The logits exact, a latent of no
+    columns, and the shared expert's output the reference's within SPEC section 6's bound."""
+    cfg = dataclasses.replace(SMALL, latent=0, activation=activation)
+    x, w = exact_front(batch, seed=batch)
+    packed = w[:SPLIT]
+    gate_up = exact_gate_up(S_R, seed=batch + 1)
+    down = jnp.asarray(exact_rows(np.random.default_rng(batch), HIDDEN, S_R, -12, -6), jnp.bfloat16)
+    logits, latent, planned, shared = jax.jit(
+        lambda *a: el.layer(*a[:2], SPLIT, VALID, *a[2:], cfg, interpret=True))(
+            x, packed, gate_up, down)
+    np.testing.assert_array_equal(np.asarray(logits), product(x, w)[:, :VALID].astype(np.float32))
+    assert latent.shape == (batch, 0) and planned is None
+    want = reference.shared_expert(x, gate_up, down, cfg)
+    assert close_to_float64(shared, np.asarray(want, np.float64), 1e-2)
+    hidden = reference.shared_hidden(x, gate_up, cfg)
+    np.testing.assert_array_equal(
+        bits(shared), bits(ek.down(hidden, down, interpret=True)))
+    with pytest.raises(ValueError, match="plan=True needs latent rows"):
+        el.layer(x, packed, SPLIT, VALID, gate_up, down, cfg, plan=True, interpret=True)

@@ -53,7 +53,6 @@ from moe_front_jax.pallas.gemm.mosaic import (
 )
 from moe_front_jax.pallas.gemm.schedule import FOLD_K, check_matrices
 from moe_front_jax.pallas.plan.kernel import magnitude_bits, to_e4m3
-from moe_front_jax.pallas.shared_expert.triton import check_situ
 
 MAX_BATCH = WGMMA_M
 """Largest batch: wgmma's M, ``x``'s rows as the TMA copy zero-fills them."""
@@ -397,10 +396,10 @@ def plan_tile(latent, block: int):
 
 @dataclasses.dataclass(frozen=True)
 class _Epilogue:
-    """What the epilogues need beyond the accumulators: situ's constants, the down's dtype."""
+    """What the epilogues need beyond the accumulators: the config whose activation gate/up takes
+    (``reference.activation``: situ or SiLU), the down's dtype, the plan's block (0: no plan)."""
 
-    beta: float = 0.0
-    linear_beta: float = 0.0
+    cfg: FrontConfig | None = None
     out_dtype: object = jnp.bfloat16
     plan_block: int = 0
 
@@ -423,7 +422,7 @@ def _epilogue(region: Region, accs, outs, column, bp: int, ep: _Epilogue) -> Non
         tiles = [latent]
     elif region.kind == GATE_UP:
         gate, up = (acc.astype(jnp.bfloat16) for acc in accs)
-        tiles = [reference.situ(gate, up, ep.beta, ep.linear_beta)]
+        tiles = [reference.activation(gate, up, ep.cfg)]
     else:
         tiles = [accs[0].astype(ep.out_dtype)]
     _store(tiles, dsts, bp)
@@ -517,12 +516,8 @@ def _check_front(x, packed, split, valid) -> None:
     for name, value in (("split", split), ("valid", valid)):
         if type(value) is not int:
             raise ValueError(f"{name} must be a static int, got {value!r}")
-    if 0 < valid <= split == packed.shape[0]:
-        raise NotImplementedError(
-            f"packed has no latent rows (split={split} = rows): the engine streams a latent; a "
-            "front without one (latent=0) runs the reference")
-    if not 0 < valid <= split < packed.shape[0]:
-        raise ValueError(f"need 0 < valid <= split < rows of packed, got valid={valid}, "
+    if not 0 < valid <= split <= packed.shape[0]:
+        raise ValueError(f"need 0 < valid <= split <= rows of packed, got valid={valid}, "
                          f"split={split}, rows={packed.shape[0]}")
 
 
@@ -577,14 +572,16 @@ def _check_smem(config: EngineConfig, widest: int) -> None:
 def covers_front_gate_up(x, packed, split, valid, gate_up, cfg, *, plan=False, config=None) -> None:
     """Raise ``NotImplementedError`` where ``front_gate_up`` does not cover these arguments (B > 64,
     a region's rows that no CTA cut divides; with ``plan``, latent CTAs not a multiple of
-    ``cfg.plan_block`` rows; an activation other than situ), ``ValueError`` where they are wrong."""
+    ``cfg.plan_block`` rows), ``ValueError`` where they are wrong (the plan of no latent rows)."""
     _check_config(config)
     _check_front(x, packed, split, valid)
     _check_gate_up(x, gate_up)
     if not isinstance(cfg, FrontConfig):
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
-    check_situ(cfg)
     _check_depth(x.shape[1], config, "hidden")
+    if plan and not shard_of(packed, split):
+        raise ValueError(f"plan=True needs latent rows, but packed has none (split={split} = rows): "
+                         "a front without a latent (latent=0) has no MXFP8 plan")
     if plan and shard_of(packed, split) % cfg.plan_block:
         raise ValueError(f"the latent shard's {shard_of(packed, split)} rows must be a multiple of "
                          f"cfg.plan_block={cfg.plan_block}")
@@ -629,9 +626,31 @@ def _down_config(hidden, down, config):
 # --- entry points ------------------------------------------------------------------------------------
 
 
-def _front_regions(valid: int, split: int, shard: int, config: EngineConfig) -> list[Region]:
-    return [Region(LOGITS, 0, (0,), valid, config.router_rows, (0,)),
-            Region(LATENT, 0, (split,), shard, config.latent_rows, (1,))]
+def _front_parts(valid: int, split: int, shard: int, bp: int, block: int,
+                 config: EngineConfig) -> tuple[list[Region], list]:
+    """The router and latent regions (none for the latent where ``shard`` is 0) and their outputs:
+    the logits, then the latent and, with the plan (``block``), its values and scale bytes."""
+    regions = [Region(LOGITS, 0, (0,), valid, config.router_rows, (0,))]
+    outs = [jax.ShapeDtypeStruct((bp, valid), jnp.float32)]
+    if shard:
+        regions.append(Region(LATENT, 0, (split,), shard, config.latent_rows,
+                              (1, 2, 3) if block else (1,)))
+        outs.append(jax.ShapeDtypeStruct((bp, shard), jnp.bfloat16))
+    if shard and block:
+        outs += [jax.ShapeDtypeStruct((bp, shard), jnp.float8_e4m3fn),
+                 jax.ShapeDtypeStruct((bp, shard // block), jnp.uint8)]
+    return regions, outs
+
+
+def _front_results(out, batch: int, shard: int, plan: bool):
+    """``(logits, latent, plan or None)``, B rows each, from a launch's outputs (``_front_parts``'
+    first); a latent of no columns where ``shard`` is 0."""
+    if not shard:
+        return out[0][:batch], jnp.zeros((batch, 0), jnp.bfloat16), None
+    if not plan:
+        return out[0][:batch], out[1][:batch], None
+    scales = lax.bitcast_convert_type(out[3][:batch], jnp.float8_e8m0fnu)
+    return out[0][:batch], out[1][:batch], (out[2][:batch], scales)
 
 
 def front_gate_up(x, packed, split: int, valid: int, gate_up, cfg: FrontConfig, *,
@@ -644,37 +663,26 @@ def front_gate_up(x, packed, split: int, valid: int, gate_up, cfg: FrontConfig, 
       packed: ``[split + shard, H]`` bfloat16: router rows ``[0, valid)``, rows up to ``split``
         never read, latent rows ``[split, split + shard)``; ``split``, ``valid`` static ints.
       gate_up: ``[2 S_r, H]`` bfloat16, this rank's gate rows then its up rows.
-      cfg: supplies ``situ_beta``, ``linear_beta`` and ``plan_block``; ``plan``: also write the
-        latent's MXFP8 plan; ``config`` None picks ``heuristic_config``.
+      cfg: supplies the activation (``reference.activation``) and ``plan_block``; ``plan``: also
+        write the latent's MXFP8 plan; ``config`` None picks ``heuristic_config``.
 
     Returns ``(logits [B, valid] float32, latent [B, shard] bfloat16, plan (values, scales) or
-    None, hidden [B, S_r] bfloat16)``, as the reference up to float32 summation order.
+    None, hidden [B, S_r] bfloat16)``, as the reference up to float32 summation order; ``shard``
+    may be 0 (a front without a latent: no latent rows streamed, no plan).
     """
     covers_front_gate_up(x, packed, split, valid, gate_up, cfg, plan=plan, config=config)
     s_r = gate_up.shape[0] // 2
     config = _front_config(x, packed, split, valid, s_r, cfg.plan_block if plan else 0, config,
                            _tiling_block(packed, split, cfg))
     batch, shard = x.shape[0], packed.shape[0] - split
-    bp = tma_rows(batch)
     block = cfg.plan_block if plan else 0
-    router, latent = _front_regions(valid, split, shard, config)
-    f32, bf16 = jnp.float32, jnp.bfloat16
-    outs = [jax.ShapeDtypeStruct((bp, valid), f32), jax.ShapeDtypeStruct((bp, shard), bf16)]
-    if plan:
-        latent = dataclasses.replace(latent, outputs=(1, 2, 3))
-        outs += [jax.ShapeDtypeStruct((bp, shard), jnp.float8_e4m3fn),
-                 jax.ShapeDtypeStruct((bp, shard // block), jnp.uint8)]
-    regions = (router, latent, Region(GATE_UP, 1, (0, s_r), s_r, config.gate_up_rows,
-                                      (len(outs),)))
-    outs.append(jax.ShapeDtypeStruct((bp, s_r), bf16))
-    out = _launch(x, (packed, gate_up), regions, outs, config,
-                  _Epilogue(cfg.situ_beta, cfg.linear_beta, plan_block=block), interpret,
+    regions, outs = _front_parts(valid, split, shard, tma_rows(batch), block, config)
+    regions.append(Region(GATE_UP, 1, (0, s_r), s_r, config.gate_up_rows, (len(outs),)))
+    outs.append(jax.ShapeDtypeStruct((tma_rows(batch), s_r), jnp.bfloat16))
+    out = _launch(x, (packed, gate_up), tuple(regions), outs, config,
+                  _Epilogue(cfg, plan_block=block), interpret,
                   "engine_front_gate_up_plan" if plan else "engine_front_gate_up")
-    logits, latent_out, *planned, hidden = (a[:batch] for a in out)
-    if plan:
-        values, scales = planned
-        planned = (values, lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu))
-    return logits, latent_out, tuple(planned) if plan else None, hidden
+    return (*_front_results(out, batch, shard, plan), out[-1][:batch])
 
 
 def down(hidden, down, out_dtype=jnp.bfloat16, *, config: EngineConfig | None = None,

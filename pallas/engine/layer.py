@@ -48,7 +48,8 @@ from moe_front_jax.pallas.engine.kernel import (
     _Epilogue,
     _epilogue,
     _front_config,
-    _front_regions,
+    _front_parts,
+    _front_results,
     _stream,
     _tiling_block,
     chains_for,
@@ -193,34 +194,25 @@ def layer(x, packed, split: int, valid: int, gate_up, down, cfg: FrontConfig, *,
                                down_config)
     batch, shard = x.shape[0], packed.shape[0] - split
     bp = tma_rows(batch)
-    router, latent = _front_regions(valid, split, shard, front_config)
     x_in = x_operand(x, front_config)
-    f32, bf16 = jnp.float32, jnp.bfloat16
-    outs = [jax.ShapeDtypeStruct((bp, valid), f32), jax.ShapeDtypeStruct((bp, shard), bf16)]
-    if plan:
-        latent = dataclasses.replace(latent, outputs=(1, 2, 3))
-        outs += [jax.ShapeDtypeStruct((bp, shard), jnp.float8_e4m3fn),
-                 jax.ShapeDtypeStruct((bp, shard // block), jnp.uint8)]
-    gate = Region(GATE_UP, 1, (0, s_r), s_r, front_config.gate_up_rows, (len(outs) + 1,))
+    front, outs = _front_parts(valid, split, shard, bp, block, front_config)
+    front.append(Region(GATE_UP, 1, (0, s_r), s_r, front_config.gate_up_rows, (len(outs) + 1,)))
     shared = Region(DOWN, 2, (0,), hidden_width, down_config.down_rows, (len(outs),))
     outs += [jax.ShapeDtypeStruct((bp, hidden_width), out_dtype),
-             jax.ShapeDtypeStruct((x_in.shape[0], s_r), bf16)]
-    work = queues((router, latent, gate), shared, front_config, down_config, hidden_width, s_r,
+             jax.ShapeDtypeStruct((x_in.shape[0], s_r), jnp.bfloat16)]
+    work = queues(tuple(front), shared, front_config, down_config, hidden_width, s_r,
                   core_count())
-    ep = _Epilogue(cfg.situ_beta, cfg.linear_beta, out_dtype, block)
+    ep = _Epilogue(cfg, out_dtype, block)
     table = jnp.asarray(work.table)
-    operands = (table, x_in, packed, gate_up, down)
     call = functools.partial(_call, work, front_config, down_config, ep, bp, interpret)
     if interpret:
-        *front, _, hidden = call("front", outs, operands)
-        out = call("down", outs, (table, hidden, packed, gate_up, down))[-2]
+        out = call("front", outs, (table, x_in, packed, gate_up, down))
+        hidden = out[-1]
+        shared_out = call("down", outs, (table, hidden, packed, gate_up, down))[-2]
     else:
-        *front, out, _ = call("layer", outs, operands)
-    logits, latent_out, *planned = (a[:batch] for a in front)
-    if plan:
-        values, scales = planned
-        planned = (values, lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu))
-    return logits, latent_out, tuple(planned) if plan else None, out[:batch]
+        out = call("layer", outs, (table, x_in, packed, gate_up, down))
+        shared_out = out[-2]
+    return (*_front_results(out, batch, shard, plan), shared_out[:batch])
 
 
 def _call(work: Queues, front_config, down_config, ep, bp, interpret, phase, out_types,
