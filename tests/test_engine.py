@@ -277,7 +277,7 @@ def test_covers_errors():
         ek.front_gate_up(x.astype(jnp.float32), w, SPLIT, VALID, gate_up, SMALL)
     with pytest.raises(ValueError, match="packed must have x's width 256, got 128"):
         ek.front_gate_up(x, w[:, :128], SPLIT, VALID, gate_up, SMALL)
-    with pytest.raises(ValueError, match="need 0 < valid <= split < rows of packed"):
+    with pytest.raises(ValueError, match="need 0 < valid <= split <= rows of packed"):
         ek.front_gate_up(x, w, VALID - 8, VALID, gate_up, SMALL)
     with pytest.raises(ValueError, match="split must be a static int"):
         ek.front_gate_up(x, w, float(SPLIT), VALID, gate_up, SMALL)
@@ -324,7 +324,6 @@ K3_TILING = {
 }
 # (tp, region) -> pad_x: padded where every CTA's weight rows are fewer than x's 64-row box; tp1's
 # merged front (128-row CTAs) is not, as it ran faster unpadded on an H100 (docs/findings.md).
-K3_PAD_X = {(1, "front"): True, (1, "merged"): False, (8, "front"): True, (8, "merged"): True}
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
@@ -362,8 +361,8 @@ def test_heuristic_tiling_at_k3_shapes(tp):
         }
         for kind, want in got.items():
             assert want == K3_TILING[tp, kind], (tp, kind)
-        assert (front.pad_x, merged.pad_x) == (K3_PAD_X[tp, "front"], K3_PAD_X[tp, "merged"])
-        assert K3.hidden // down.down_rows == 128 and down.pad_x
+        assert not (front.pad_x or merged.pad_x or down.pad_x)  # the box: B up to a multiple of 8
+        assert K3.hidden // down.down_rows == 128
 
 
 def test_chains_cut_the_logits_accumulation():
@@ -386,13 +385,12 @@ def k3_arrays(tp, batch):
             jnp.zeros((batch, s_r), jnp.bfloat16), jnp.zeros((K3.hidden, s_r), jnp.bfloat16))
 
 
-def assert_one_engine_kernel(text, batch, pad_x):
+def assert_one_engine_kernel(text, batch):
     assert text.count("@mosaic_gpu_v2") == 1 and "triton" not in text
     assert "stablehlo.dot_general" not in text
     assert text.count("mosaic_gpu.uses_pdl") == 1
-    # One pad where the config pads x to 64 rows, or where B is not a multiple of 8 above 8.
-    padded = (pad_x and batch < ek.MAX_BATCH) or (batch > 8 and batch % 8)
-    assert text.count("stablehlo.pad") == (1 if padded else 0)
+    # One pad of x to a multiple of 8 rows (the TMA box), where B is not one.
+    assert text.count("stablehlo.pad") == (1 if batch % 8 else 0)
 
 
 @pytest.mark.parametrize("tp", [1, 8])
@@ -400,16 +398,16 @@ def assert_one_engine_kernel(text, batch, pad_x):
 def test_lowers_for_h200(tp, batch):
     """Each entry point at K3's shapes (the merged front with the plan and without) lowers for an
     H200 as one Mosaic GPU kernel launched with PDL, with no XLA dot beside it and at most one pad
-    of ``x``. The heuristic pads ``x`` to 64 rows but for tp1's merged front (128-row CTAs)."""
+    of ``x`` (to a multiple of 8 rows)."""
     cfg, valid, split, x, packed, gate_up, hidden, down = k3_arrays(tp, batch)
     for plan in (False, True):
         text = lower_for_h200(
             lambda x, w, g: ek.front_gate_up(x, w, split, valid, g, cfg, plan=plan),
             x, packed, gate_up)
-        assert_one_engine_kernel(text, batch, pad_x=tp != 1)
+        assert_one_engine_kernel(text, batch)
     for out_dtype in (jnp.bfloat16, jnp.float32):
         text = lower_for_h200(lambda h, d: ek.down(h, d, out_dtype), hidden, down)
-        assert_one_engine_kernel(text, batch, pad_x=True)
+        assert_one_engine_kernel(text, batch)
 
 
 def test_lowers_without_pdl(monkeypatch):
@@ -510,15 +508,15 @@ def test_moe_front_past_the_engine_takes_the_separate_stages():
 def test_moe_front_merged_is_three_kernels_on_an_h200(batch, plan):
     """``moe_front(x, params, plan=...)`` with K3's shared weights under ``"pallas"`` lowers for an
     H200 as three kernels: the merged front and the down (Mosaic GPU, launched with PDL) and the
-    routing kernel (Triton); no XLA dot. Below B=64 XLA also pads ``hidden`` to 64 rows for the
-    down (``pad_x``); the merged front takes ``x`` as it is."""
+    routing kernel (Triton); no XLA dot. Where B is not a multiple of 8 XLA pads ``x`` and
+    ``hidden`` to one (each launch's TMA box of them)."""
     params = mf.pack_params(k3_weights(), K3)
     x = jnp.zeros((batch, K3.hidden), jnp.bfloat16)
     text = lower_for_h200(lambda x, p: mf.moe_front(x, p, plan=plan, backend="pallas"), x, params)
     assert text.count("@mosaic_gpu_v2") == 2 and text.count("mosaic_gpu.uses_pdl") == 2
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "stablehlo.dot_general" not in text
-    assert text.count("stablehlo.pad") == (1 if batch < 64 else 0)
+    assert text.count("stablehlo.pad") == (2 if batch % 8 else 0)
 
 
 # --- on the GPU --------------------------------------------------------------------------------------
