@@ -262,17 +262,20 @@ def chain_program(fn, xs, pairs, small: bool = False):
     through an optimization barrier with call i - 1's output, so that XLA cannot start a call
     before the one before it has finished, nor interleave their kernels (it did, with independent
     calls at tp8 B=1 on 2026-12-06, c486ce7), as the layers of a decode step follow one another.
-    ``small``: the program returns one float32 scalar (the last call's outputs through a barrier,
-    one element of each summed), as a serving loop's step returns little, not every output."""
+    ``small``: the program returns one float32 scalar, as a serving loop's step returns little, not
+    every output: one element of each output of every call, each taken after a barrier, so that
+    XLA can neither drop a call's work nor narrow it to that element (without the barriers it
+    dropped most of it: docs/findings.md, the layer kernel)."""
 
     def calls(xs, ws):
-        outs = [fn(xs[0], ws[0])]
+        outs, held = [fn(xs[0], ws[0])], []
         for x, w in zip(xs[1:], ws[1:]):
-            _, x = lax.optimization_barrier((outs[-1], x))
+            out, x = lax.optimization_barrier((outs[-1], x))
+            held.append(out)
             outs.append(fn(x, w))
         if small:
-            last = jax.tree.leaves(lax.optimization_barrier(outs[-1]))
-            return sum(leaf.reshape(-1)[0].astype(jnp.float32) for leaf in last)
+            held.append(lax.optimization_barrier(outs[-1]))
+            return sum(leaf.reshape(-1)[0].astype(jnp.float32) for leaf in jax.tree.leaves(held))
         return outs
 
     program = jax.jit(calls)
