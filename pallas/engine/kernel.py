@@ -1,12 +1,13 @@
 """The streaming engine: one Mosaic GPU launch streams a stack of weight row regions against ``x``.
 
 Every CTA owns ``rows`` consecutive rows of one region over all of K (no split): a ring of
-``num_stages`` TMA stages of ``block_k`` columns feeds wgmma with ``x``'s rows, zero-padded to
-64 (``pad_x``), as M and the CTA's rows as N (tma.py's ``batch_m``). Each region has its own
-epilogue on the accumulator registers, TMA-stored through shared memory: router rows -> float32
-logits (K cut into chains of at most ``fold_k``); latent rows -> bfloat16 latent (and its MXFP8
-plan); gate/up pairs (two accumulators) -> ``situ(bf16(gate), bf16(up))``; down rows -> bfloat16,
-or a float32 partial.
+``num_stages`` TMA stages of ``block_k`` columns feeds wgmma with ``x``'s rows as M (64, of which
+the copy fills B rounded up to 8, or all 64 with ``pad_x``) and the CTA's rows as N (tma.py's
+``batch_m``). Each region has its own epilogue on the accumulator registers, TMA-stored through
+shared memory: router rows -> float32 logits (K cut into chains of at most ``fold_k``); latent rows
+-> bfloat16 latent (and its MXFP8 plan; none at ``latent = 0``); gate/up pairs (two accumulators)
+-> ``activation(bf16(gate), bf16(up))`` (situ or SiLU); down rows -> bfloat16, or a float32
+partial.
 The CTA -> region map is static; regions run biggest CTAs first; every kernel waits first thing
 (``griddepcontrol_wait``) to be launched with PDL.
 
@@ -16,8 +17,9 @@ Cost per call (bf16 = 2 bytes; ``shard = n - split``):
                   + B shard (1 + 1/32)             the plan, when asked for
   gate/up   bytes += 2 * 2 S_r H + 2 B S_r         176.2 MB tp1, 22.0 MB tp8; hidden written
   down      bytes = 2 H S_r + 2 B S_r + B H (2|4)   88.1 MB tp1, 11.0 MB tp8
-  x (or hidden), padded to 64 rows, is re-read from L2 by every CTA: 128 K bytes a CTA, not HBM
-  traffic; the pad writes 128 K bytes once, where XLA does not fold it into x's producer.
+  x (or hidden), B rounded up to 8 rows (64 with pad_x), is re-read from L2 by every CTA: 2 rows K
+  bytes a CTA, not HBM traffic (at tp8, 64 rows came to 3x the weight's bytes); the pad writes
+  them once, where XLA does not fold it into x's producer.
   FLOPs = 2 * 64 * (weight rows) * K on the tensor cores (M is 64 whatever B; 2 B per weight
   element useful): memory-bound at every B <= 64.
 Timings, and why ``"auto"`` does not run it: docs/findings.md (the engine).
@@ -84,10 +86,9 @@ class EngineConfig:
       num_stages: TMA stages in the ring, at least 2.
       fold_k: most K columns one accumulation chain of the logits covers (``chains_for``); a
         multiple of ``block_k``.
-      pad_x: zero-pad ``x`` to 64 rows in XLA before the launch (one small fusion, or none where
-        XLA folds it into ``x``'s producer), so that each stage's TMA box of ``x`` lies inside it.
-        Off, the box runs past ``x``'s rows and the copy engine zero-fills them, which costs where
-        a CTA's weight rows are fewer than the box (``heuristic_config``).
+      pad_x: zero-pad ``x`` to 64 rows in XLA before the launch (one small fusion) and copy all
+        64 a stage; off, pad it to a multiple of 8 rows and copy only those (``x_operand``,
+        ``_stream``): at B=8 an eighth of the bytes each CTA re-reads from L2.
     """
 
     router_rows: int = 32
@@ -238,9 +239,9 @@ def heuristic_config(depth: int, router: int = 0, latent: int = 0, gate_up: int 
                      down: int = 0, plan_block: int = 0, cores: int = 132) -> EngineConfig:
     """A tiling for a device without a table (``cut``): rows of each present region (0 rows: the
     region is absent and keeps the default), ``block_k`` and the ring's depth; ``x`` ``[B, depth]``
-    whatever B (wgmma's M is 64 rows at every B <= 64). ``pad_x`` where every CTA's weight rows
-    (gate/up: both parts) are fewer than ``x``'s 64-row box, whose zero fill then sets a stage's
-    pace (docs/findings.md, ``x``'s box)."""
+    whatever B (wgmma's M is 64 rows at every B <= 64). ``pad_x`` off: each stage's box of ``x``
+    is B rounded up to 8 rows, never more bytes than the 64-row box (docs/findings.md, the layer
+    kernel)."""
     chains = chains_for(depth, FOLD_K, max(_block_ks(depth), default=32))
     present = [(name, rows, parts, multiple, c) for name, rows, parts, multiple, c in (
         ("router_rows", router, 1, ROW_STEP, chains),
@@ -249,7 +250,6 @@ def heuristic_config(depth: int, router: int = 0, latent: int = 0, gate_up: int 
         ("down_rows", down, 1, ROW_STEP, 1)) if rows]
     block_k, combo, stages = cut(tuple(p[1:] for p in present), depth, cores)
     fields = {name: r for (name, *_), r in zip(present, combo)}
-    widest = max(parts * r for (_, _, parts, _, _), r in zip(present, combo))
     return EngineConfig(**fields, block_k=block_k, num_stages=stages, pad_x=False)
 
 
