@@ -107,13 +107,17 @@ multiple of the Mosaic kernel's 32 lanes."""
 FAMILY_BATCHES = "1,8,64"
 MOSAIC = rt.mosaic.MosaicRouteConfig
 MOSAIC_VARIANTS = (
-    MOSAIC(), MOSAIC(unroll=16), MOSAIC(split=True), MOSAIC(split=True, cached=2),
-    MOSAIC(split=True, cached=4), MOSAIC(split=True, unroll=2), MOSAIC(split=True, warpgroups=2),
-    MOSAIC(split=True, warpgroups=4), MOSAIC(split=True, steps=2),
+    MOSAIC(), MOSAIC(unroll=16), MOSAIC(split=True), MOSAIC(lane_weights=True),
+    MOSAIC(split=True, lane_weights=True), MOSAIC(split=True, lane_weights=True, cached=2),
+    MOSAIC(split=True, lane_weights=True, cached=4), MOSAIC(split=True, lane_weights=True, unroll=2),
+    MOSAIC(split=True, lane_weights=True, warpgroups=2),
+    MOSAIC(split=True, lane_weights=True, warpgroups=4),
+    MOSAIC(split=True, lane_weights=True, steps=2),
 )
 """The Mosaic GPU kernel's schedules ``--families`` times at Kimi-K3 and DeepSeek-V3, the default
-first: the selection rounds unrolled as before (``unroll=16``), the keys split over the warps, each
-lane's cache depth, two rounds a step, two and four rows a CTA side by side or one after another."""
+first: the selection rounds unrolled as before (``unroll=16``), the keys split over the warps, the
+weights one a lane, both, and with both each lane's cache depth, two rounds a step, two and four
+rows a CTA side by side or two one after another."""
 GROUPED_OVER_PLAIN, XLA_OVER_KERNEL, MOSAIC_OVER_TRITON = 1.2, 4.0, 1.1
 """The targets: DeepSeek-V3's time over Kimi-K3's (issue 45, B <= 64), XLA's route over the kernel's
 (issue 45), the Mosaic GPU kernel's over the Triton kernel's at Kimi-K3 (issue 47)."""

@@ -72,9 +72,12 @@ VARIANTS = [
     mr.MosaicRouteConfig(split=True, cached=2, unroll=2),
     mr.MosaicRouteConfig(warpgroups=2, split=True), mr.MosaicRouteConfig(warpgroups=4, cached=4),
     mr.MosaicRouteConfig(steps=3, split=True), mr.MosaicRouteConfig(warpgroups=2, steps=2),
+    mr.MosaicRouteConfig(lane_weights=True),
+    mr.MosaicRouteConfig(warpgroups=2, steps=2, split=True, lane_weights=True),
 ]
 """Schedules beside the default: a refill every round, deep caches, the rounds unrolled, the keys
-split over the warps, several rows a CTA side by side and in turn (partial CTAs at odd B)."""
+split over the warps, several rows a CTA side by side and in turn (partial CTAs at odd B), the
+weights one a lane."""
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "permute", "config"))
@@ -205,13 +208,16 @@ def test_bias_makes_every_key_negative(direction):
     np.testing.assert_array_equal(ids[0], want)
 
 
-def test_weights_correctly_rounded_at_a_bf16_midpoint():
+@pytest.mark.parametrize("lane_weights", [False, True])
+def test_weights_correctly_rounded_at_a_bf16_midpoint(lane_weights):
     """``test_route_kernel.ROUNDING_ROW`` (a weight within a float32 ulp of a bf16 midpoint) with 48
-    more experts at -inf: summed in another order or divided by a reciprocal, it rounds down."""
+    more experts at -inf: summed in another order or divided by a reciprocal, it rounds down; the
+    weights as scalars and one a lane."""
     cfg = mf.FrontConfig(hidden=1, experts=64, top_k=16, latent=1, shared=0, plan_block=1)
     logits = np.full((1, 64), -np.inf, np.float32)
     logits[0, :16] = ROUNDING_ROW
-    ids, weights = check(logits, np.zeros(64), cfg)
+    ids, weights = check(logits, np.zeros(64), cfg,
+                         config=mr.MosaicRouteConfig(lane_weights=lane_weights))
     np.testing.assert_array_equal(ids[0], np.arange(16))
     assert weights[0, 0] == np.asarray(0.06298828125, jnp.bfloat16)
 
@@ -447,6 +453,13 @@ def test_families_covered_and_schedule_errors():
               config=mr.MosaicRouteConfig(split=True))
     with pytest.raises(ValueError, match="config must be a MosaicRouteConfig, got"):
         mr.route(logits, bias, glm, config=dict(cached=3))
+    lanes = mr.MosaicRouteConfig(lane_weights=True)
+    mr.covers(logits, bias, glm, config=lanes)
+    for k in (6, 64):
+        cfg = dataclasses.replace(K3, top_k=k)
+        with pytest.raises(NotImplementedError, match=f"a power of two of them up to 32: top_k={k}"):
+            mr.route(jnp.zeros((1, 896), jnp.float32), jnp.zeros((896,), jnp.float32), cfg,
+                     config=lanes)
     for field, value, message in (
             ("warpgroups", 0, "warpgroups must be an int from 1 to 4, got 0"),
             ("warpgroups", 5, "warpgroups must be an int from 1 to 4, got 5"),
@@ -454,11 +467,13 @@ def test_families_covered_and_schedule_errors():
             ("cached", 9, "cached must be an int from 1 to 8, got 9"),
             ("cached", True, "cached must be an int from 1 to 8, got True"),
             ("unroll", 0, "unroll must be an int from 1 to 64, got 0"),
-            ("split", 1, "split must be a bool, got 1")):
+            ("split", 1, "split must be a bool, got 1"),
+            ("lane_weights", None, "lane_weights must be a bool, got None")):
         with pytest.raises(ValueError, match=f"MosaicRouteConfig.{message}"):
             mr.MosaicRouteConfig(**{field: value})
     assert mr.MosaicRouteConfig(warpgroups=2, steps=3).rows == 6
     assert mr.MosaicRouteConfig(split=True, unroll=2).name == "w1s1c3u2x"
+    assert mr.MosaicRouteConfig(lane_weights=True).name == "w1s1c3u1l"
 
 
 def test_bytes():

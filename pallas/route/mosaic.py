@@ -5,7 +5,8 @@ dispatch order (SPEC 4.1) as Mosaic GPU kernels.
 holding the whole row, ``E / 32`` keys a lane (``ROW``), so that every reduction stays in a warp
 (``redux.sync``) and gives every thread the same value: a scalar. ``MosaicRouteConfig`` sets the
 rows of a CTA (``warpgroups`` side by side, ``steps`` in turn), whether each warp makes a quarter of
-the keys (``split``, through shared memory), each lane's cache and the rounds' loop. Keys:
+the keys (``split``, through shared memory), each lane's cache, the rounds' loop and where the
+weights are made. Keys:
 ``kernel.ordered_keys``' int32 of ``sigmoid + bias``, or of the logits with softmax. Groups: each
 group's two best keys by three masked max reductions, their float32 sum, the ``topk_groups`` best
 scores by ``G^2`` scalar comparisons; the other groups' keys go below every key. Selection: ``K``
@@ -17,13 +18,16 @@ chosen (a ``lax.cond``), and round 0's refill is the first fill. Why: Mosaic GPU
 no argmax, sort, cumsum, gather or popcount, but it lowers max reductions over a register layout,
 ``lax.cond`` on a scalar, scalar loads and stores at any index. Weights: the chosen logits loaded
 again, their sigmoids (or ``exp(l - max) / Z``), the tree sum and the correctly rounded division
-(``arith.divf``) on scalars, as ``reference.routing_weights``. Softmax's ``Z`` is
-``reference.tree_sum`` over the row: five sums over pairs of lanes (``BUTTERFLY``, one ``shfl.bfly``
-each: the tree's five lowest levels), then a scalar tree over the ``E / 32`` lane sums. Bits:
-``reference.route``'s in interpret mode, where the kernel's ``exp`` is XLA's. On a GPU ``exp`` is
-Mosaic GPU's ``math.exp`` and the reference's XLA's: where they differ in the last bit, so do the
-sigmoids and softmax probabilities, which moves ids only between keys a few ulps apart and weights
-by at most one bf16 ulp (SPEC section 4, exactness); ``test_gpu_exp_and_sigmoid_match_xla`` checks.
+(``arith.divf``), as ``reference.routing_weights``: on scalars, or with ``lane_weights`` one a
+lane (the logits through shared memory, the tree sum a sum over pairs of lanes a level). Softmax's
+``Z`` is ``reference.tree_sum`` over the row: five sums over pairs of lanes (``BUTTERFLY``, one
+``shfl.bfly`` each: the tree's five lowest levels), then a scalar tree over the ``E / 32`` lane
+sums. Bits: ``reference.route``'s in interpret mode, where the kernel's ``exp`` is XLA's (and a
+barrier keeps each level of a tree sum apart, as the denominator of each division). On a GPU
+``exp`` is Mosaic GPU's ``math.exp`` and the reference's XLA's: where they differ in the last bit,
+so do the sigmoids and softmax probabilities, which moves ids only between keys a few ulps apart
+and weights by at most one bf16 ulp (SPEC section 4, exactness);
+``test_gpu_exp_and_sigmoid_match_xla`` checks.
 
 ``permutation``, a second launch (a grid-wide hand-off in one launch needs semaphores, which Mosaic
 GPU's interpret mode does not run): slot ``s``'s position is its rank among ``id * S' + s``, each
@@ -86,6 +90,15 @@ BUTTERFLY = plgpu.Layout.TILED(plgpu.Tiling(((1, 2, 2, 2, 2, 2), (1,))),
 sum over one of them adds lanes in pairs, one ``shfl.bfly`` (the last: lanes ``2i``, ``2i + 1``)."""
 LANE_SUMS = BUTTERFLY.reduce((1, 2, 3, 4, 5))
 """``[E / 32]``: one value per register of ``ROW``, every lane holding them all."""
+def weight_layout(k: int):
+    """``top_k`` values (a power of two up to 32) one a lane, as ``[2] * log2(k)``, the last axis
+    the lowest bit of the rank: a sum over one axis adds them in pairs (one ``shfl.bfly``)."""
+    n = k.bit_length() - 1
+    spare = (plgpu.Replicated(LANES // k),) if k < LANES else ()
+    return plgpu.Layout.TILED(plgpu.Tiling(((2,) * n, (1,))), warp_dims=(plgpu.Replicated(4),),
+                              lane_dims=spare + tuple(range(-n - 1, -1)), vector_dim=-1)
+
+
 EVERY = plgpu.Layout.TILED(plgpu.Tiling(((1,),)), warp_dims=(plgpu.Replicated(4),),
                            lane_dims=(plgpu.Replicated(32),), vector_dim=-1)
 """A short vector (a row's ``top_k`` ids or weights) that every thread holds whole."""
@@ -109,6 +122,8 @@ class MosaicRouteConfig:
         pass through shared memory to every warp (``E`` a multiple of 128; softmax has none).
       unroll: selection rounds a step of their loop (1 to ``MAX_UNROLL``; ``top_k`` or more: no
         loop), a longer kernel against the loop's branches.
+      lane_weights: the weights one a lane (``top_k`` a power of two from 2 to 32), the chosen
+        logits through shared memory, rather than every one in every thread.
     """
 
     IMPLEMENTATION: ClassVar[str] = "mosaic_route"
@@ -117,6 +132,7 @@ class MosaicRouteConfig:
     cached: int = 3
     split: bool = False
     unroll: int = 1
+    lane_weights: bool = False
 
     def __post_init__(self):
         for name, most in (("warpgroups", MAX_WARPGROUPS), ("steps", MAX_STEPS),
@@ -125,8 +141,10 @@ class MosaicRouteConfig:
             if type(value) is not int or not 1 <= value <= most:
                 raise ValueError(
                     f"MosaicRouteConfig.{name} must be an int from 1 to {most}, got {value!r}")
-        if type(self.split) is not bool:
-            raise ValueError(f"MosaicRouteConfig.split must be a bool, got {self.split!r}")
+        for name in ("split", "lane_weights"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(
+                    f"MosaicRouteConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def rows(self) -> int:
@@ -136,9 +154,9 @@ class MosaicRouteConfig:
     @property
     def name(self) -> str:
         """Short label, as ``bench_route.py`` prints it: ``w2s1c3u1`` (2 warpgroups, 1 step, 3
-        cached, 1 round a step of the loop), ``w1s1c3u1x`` (split)."""
+        cached, 1 round a step of the loop), ``w1s1c3u1xl`` (split, lane weights)."""
         return (f"w{self.warpgroups}s{self.steps}c{self.cached}u{self.unroll}"
-                + ("x" if self.split else ""))
+                + ("x" if self.split else "") + ("l" if self.lane_weights else ""))
 
 
 DEFAULT_CONFIG = MosaicRouteConfig()
@@ -159,8 +177,11 @@ def interpret_params(interpret: bool):
 def _div(x, y, interpret: bool):
     """Correctly rounded float32 ``x / y``: ``arith.divf``, ``div.rn.f32``, on the GPU. In interpret
     mode XLA would turn a division into a multiplication by the reciprocal where it can: the
-    denominator goes through a barrier, as in ``reference.routing``."""
-    return x / (lax.optimization_barrier(y) if interpret else y)
+    denominator, at the quotient's shape, goes through a barrier, as in ``reference.routing``."""
+    if not interpret:
+        return x / y
+    x, y = jnp.broadcast_arrays(x, y)
+    return x / lax.optimization_barrier(y)
 
 
 def _sigmoid(x, interpret: bool):
@@ -196,6 +217,17 @@ def _tree_sum(values):
     while len(values) > 1:
         values = [values[i] + values[i + 1] for i in range(0, len(values), 2)]
     return values[0]
+
+
+def _pair_sums(x, count: int, interpret: bool):
+    """``x`` summed over its last ``count`` axes of two, the last first: each a level of
+    ``reference.tree_sum`` (on the GPU one ``shfl.bfly`` where the axis is a lane bit). In interpret
+    mode a barrier follows each: XLA would merge the sums into one, which adds in another order."""
+    for axis in range(x.ndim - 1, x.ndim - 1 - count, -1):
+        x = jnp.sum(x, axis=axis)
+        if interpret:
+            x = lax.optimization_barrier(x)
+    return x
 
 
 def _row_max(x):
@@ -296,9 +328,7 @@ def _softmax_total(pairs, largest, interpret: bool):
     as -inf; ``largest``, the row's largest ``_ordered`` logit): five sums over pairs of lanes,
     then the ``E / 32`` lane sums (each a masked max, in registers) as a scalar tree."""
     m = _finite(_unordered(largest))
-    e = jnp.exp(_finite(pairs) - m)
-    for axis in range(5, 0, -1):
-        e = jnp.sum(e, axis=axis)
+    e = _pair_sums(jnp.exp(_finite(pairs) - m), 5, interpret)
     j = plgpu.broadcasted_iota(jnp.int32, e.shape, 0, layout=LANE_SUMS)
     total = _tree_sum([jnp.max(jnp.where(j == i, e, -jnp.inf)) for i in range(e.shape[0])])
     return m, total
@@ -327,12 +357,12 @@ def _sigmoid_keys(x_ref, bias_ref, keys_ref, *, again: bool, interpret: bool):
     return keys
 
 
-def _route_row(row, logits_ref, second_ref, ids_ref, weights_ref, chosen_ref, keys_ref, *, cfg,
-               config, interpret):
+def _route_row(row, logits_ref, second_ref, ids_ref, weights_ref, chosen_ref, keys_ref, lanes_ref,
+               *, cfg, config, interpret):
     """Route row ``row``: ``second_ref`` holds the bias ``[E / 32, 32]`` (sigmoid) or the logits as
-    ``BUTTERFLY`` pairs ``[B, E / 32, 2, 2, 2, 2, 2]`` (softmax); ``chosen_ref`` ``[K]`` and
-    ``keys_ref`` (None unless ``config.split``) are the row's shared memory for ``_select`` and
-    ``_sigmoid_keys``."""
+    ``BUTTERFLY`` pairs ``[B, E / 32, 2, 2, 2, 2, 2]`` (softmax); ``chosen_ref`` ``[K]``, ``keys_ref``
+    and ``lanes_ref`` (None unless ``config.split``, ``config.lane_weights``) are the row's shared
+    memory for ``_select``, ``_sigmoid_keys`` and the chosen logits one a lane."""
     k, experts = cfg.top_k, cfg.experts
     shape = (experts // LANES, LANES)
     expert = (plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=ROW) * LANES
@@ -349,49 +379,67 @@ def _route_row(row, logits_ref, second_ref, ids_ref, weights_ref, chosen_ref, ke
             keys = jnp.where(_kept_groups(keys, expert, rev, cfg), keys, jnp.int32(PAD_KEY))
     largest = _select(keys, rev, chosen_ref, cached=config.cached, unroll=config.unroll)
     chosen = [chosen_ref[r] for r in range(k)]
+    ids_ref[row] = _every(chosen, jnp.int32)
     # The chosen logits again (scalar loads, L1 hits): the scores the keys were made of.
     logits = [logits_ref[row, e // LANES, e % LANES] for e in chosen]
     if softmax:
         pairs = plgpu.load(second_ref.at[row], layout=BUTTERFLY, optimized=False)
-        m, total = _softmax_total(pairs, largest, interpret)
-        scores = [_div(jnp.exp(_finite(l) - m), total, interpret) for l in logits]
+        m, z = _softmax_total(pairs, largest, interpret)
+        score = lambda l: _div(jnp.exp(_finite(l) - m), z, interpret)
     else:
-        scores = [_sigmoid(l, interpret) for l in logits]
-    w = [jnp.where(s != s, jnp.float32(0), s) for s in scores]
+        score = lambda l: _sigmoid(l, interpret)
+    if lanes_ref is None:
+        w = _every(_weights([score(l) for l in logits], _tree_sum, cfg, interpret), jnp.float32)
+    else:
+        n = k.bit_length() - 1
+        for r, logit in enumerate(logits):
+            lanes_ref[tuple((r >> (n - 1 - b)) & 1 for b in range(n))] = logit
+        lanes = plgpu.load(lanes_ref, layout=weight_layout(k), optimized=False)
+        w = _weights(score(lanes), lambda w: _pair_sums(w, n, interpret), cfg, interpret)
+    weights_ref[row] = w.astype(jnp.bfloat16)
+
+
+def _every(values, dtype):
+    """``[K]`` (``EVERY``) from ``K`` scalars."""
+    slot = plgpu.broadcasted_iota(jnp.int32, (len(values),), 0, layout=EVERY)
+    out = jnp.zeros((len(values),), dtype)
+    for r, value in enumerate(values):
+        out = jnp.where(slot == r, value, out)
+    return out
+
+
+def _weights(scores, tree, cfg: FrontConfig, interpret: bool):
+    """``reference.routing_weights`` in float32 from the chosen scores, ``K`` scalars (a list) or
+    one a lane (``weight_layout``); ``tree``: their ``reference.tree_sum``."""
+    each = (lambda f, w: [f(v) for v in w]) if isinstance(scores, list) else (lambda f, w: f(w))
+    w = each(lambda v: jnp.where(v != v, jnp.float32(0), v), scores)
     scale = jnp.float32(cfg.routed_scaling_factor)
-    if cfg.renormalize:
-        total = _tree_sum(w) + jnp.float32(reference.RENORM_EPSILON)
-        w = [_div(v * scale, total, interpret) for v in w]
-    else:
-        w = [v * scale for v in w]
-    slot = plgpu.broadcasted_iota(jnp.int32, (k,), 0, layout=EVERY)
-    ids = jnp.zeros((k,), jnp.int32)
-    weights = jnp.zeros((k,), jnp.float32)
-    for r in range(k):
-        ids = jnp.where(slot == r, chosen[r], ids)
-        weights = jnp.where(slot == r, w[r], weights)
-    ids_ref[row] = ids
-    weights_ref[row] = weights.astype(jnp.bfloat16)
+    if not cfg.renormalize:
+        return each(lambda v: v * scale, w)
+    total = tree(w) + jnp.float32(reference.RENORM_EPSILON)
+    return each(lambda v: _div(v * scale, total, interpret), w)
 
 
-def _route_kernel(logits_ref, second_ref, ids_ref, weights_ref, chosen_ref, *keys_ref, cfg, config,
-                  batch, interpret):
+def _route_kernel(logits_ref, second_ref, ids_ref, weights_ref, *, chosen_ref, keys_ref=None,
+                  lanes_ref=None, cfg, config, batch, interpret):
     await_inputs(interpret)
     first = lax.axis_index("cta") * config.rows
     warpgroup = lax.axis_index("warpgroup") if config.warpgroups > 1 else 0
     route_row = functools.partial(
         _route_row, logits_ref=logits_ref, second_ref=second_ref, ids_ref=ids_ref,
-        weights_ref=weights_ref, keys_ref=keys_ref[0].at[warpgroup] if keys_ref else None, cfg=cfg,
-        config=config, interpret=interpret)
+        weights_ref=weights_ref, keys_ref=None if keys_ref is None else keys_ref.at[warpgroup],
+        cfg=cfg, config=config, interpret=interpret)
 
     def step(i):
         row = first + i * config.warpgroups + warpgroup
-        # Each step its own ids: a warp may write the next row's while another still reads these.
-        chosen = chosen_ref.at[warpgroup, i]
+        # Each step its own ids and logits: a warp may write the next row's while another still
+        # reads these.
+        rows_refs = dict(chosen_ref=chosen_ref.at[warpgroup, i],
+                         lanes_ref=None if lanes_ref is None else lanes_ref.at[warpgroup, i])
         if batch % config.rows:
-            pl.when(row < batch)(lambda: route_row(row, chosen_ref=chosen))
+            pl.when(row < batch)(lambda: route_row(row, **rows_refs))
         else:
-            route_row(row, chosen_ref=chosen)
+            route_row(row, **rows_refs)
 
     if config.steps == 1:
         step(0)
@@ -490,6 +538,11 @@ def covers(logits, bias, cfg, *, permute: bool = False, config=None) -> None:
         raise NotImplementedError(
             f"MosaicRouteConfig.split gives each of {WARPS} warps a quarter of the row's runs of "
             f"{LANES}: experts={cfg.experts} is not a multiple of {WARPS * LANES}")
+    k = cfg.top_k
+    if config is not None and config.lane_weights and (k & (k - 1) or not 2 <= k <= LANES):
+        raise NotImplementedError(
+            f"MosaicRouteConfig.lane_weights puts a weight in each lane, a power of two of them "
+            f"up to {LANES}: top_k={k}")
     if permute:
         _check_permutation(logits.shape[0], cfg)
 
@@ -538,7 +591,6 @@ def route(logits: jax.Array, bias: jax.Array, cfg: FrontConfig, *, interpret: bo
     covers(logits, bias, cfg, permute=permute, config=config)
     config = DEFAULT_CONFIG if config is None else config
     batch, k = logits.shape[0], cfg.top_k
-    rows = logits.reshape(batch, -1, LANES)
     if cfg.scoring == "softmax":
         second = logits.reshape(batch, -1, 2, 2, 2, 2, 2)
     else:
@@ -546,18 +598,26 @@ def route(logits: jax.Array, bias: jax.Array, cfg: FrontConfig, *, interpret: bo
     threads = {}
     if config.warpgroups > 1:
         threads = dict(num_threads=config.warpgroups, thread_name="warpgroup")
-    scratch = (plgpu.SMEM((config.warpgroups, config.steps, k), jnp.int32),)
-    if config.split and cfg.scoring == "sigmoid":
-        scratch += (plgpu.SMEM((config.warpgroups, cfg.experts // LANES, LANES), jnp.int32),)
+    split = config.split and cfg.scoring == "sigmoid"
+    rows = (config.warpgroups, config.steps)
+    lanes = (2,) * (k.bit_length() - 1)
+    scratch = dict(chosen_ref=plgpu.SMEM(rows + (k,), jnp.int32))
+    if split:
+        scratch["keys_ref"] = plgpu.SMEM((config.warpgroups, cfg.experts // LANES, LANES),
+                                         jnp.int32)
+    if config.lane_weights:
+        scratch["lanes_ref"] = plgpu.SMEM(rows + lanes, jnp.float32)
+    weights_shape = (batch, *lanes) if config.lane_weights else (batch, k)
     ids, weights = plgpu.kernel(
         functools.partial(_route_kernel, cfg=cfg, config=config, batch=batch,
                           interpret=interpret),
         out_type=(jax.ShapeDtypeStruct((batch, k), jnp.int32),
-                  jax.ShapeDtypeStruct((batch, k), jnp.bfloat16)),
+                  jax.ShapeDtypeStruct(weights_shape, jnp.bfloat16)),
         grid=(pl.cdiv(batch, config.rows),), grid_names=("cta",), **threads, scratch_types=scratch,
         compiler_params=_no_barriers(), interpret=interpret_params(interpret),
         kernel_name="route_mosaic",
-    )(rows, second)
+    )(logits.reshape(batch, -1, LANES), second)
+    weights = weights.reshape(batch, k)
     if not permute:
         return ids, weights
     return (ids, weights, *permutation(ids, cfg, interpret=interpret))
