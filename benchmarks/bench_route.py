@@ -27,7 +27,17 @@ zero fill apart from the routing kernel). Rows go to $OUT/bench_route_permute.js
 with the issue's targets: at most 1.5 us above routing alone for B <= 64, at most 6 us in all at
 B = 256, at least 4x XLA's way at every B.
 
-``--check``: on any machine, every variant with the kernels in interpret mode, no timing.
+``--families`` (issues 45 and 47): at B in {1, 8, 64}, in one process, the Mosaic GPU kernel at
+its default schedule for each family of ``FAMILIES`` (Kimi-K3, DeepSeek-V3's groups, Qwen3's softmax,
+Kimi-K2, GLM-4.5), XLA's reference route for each, the Triton kernel where it covers the family
+(sigmoid without dropped groups), and every schedule of ``MOSAIC_VARIANTS`` at Kimi-K3 and
+DeepSeek-V3; each timed kernel's ids are checked against XLA's on the same rows. The table prints
+last, with the targets: DeepSeek-V3 / Kimi-K3 at most 1.2 (B <= 64), XLA / kernel at least 4, Mosaic
+/ Triton at Kimi-K3 at most 1.1. Results: $OUT/bench_route_families.json (stage "route_families",
+each row naming its family and schedule).
+
+``--check``: on any machine, every variant with the kernels in interpret mode, no timing; with
+``--families``, every variant of the families part, ids and weights bit-equal to the reference.
 """
 
 from __future__ import annotations
@@ -91,6 +101,151 @@ def permute_variants(cfg, interpret: bool = False) -> dict:
     }
 
 
+FAMILIES = ("KIMI_K3", "DEEPSEEK_V3", "QWEN3_30B_A3B", "KIMI_K2", "GLM_4_5")
+"""The presets ``--families`` times (``mf.configs.PRESETS`` names); Mixtral's 8 experts are not a
+multiple of the Mosaic kernel's 32 lanes."""
+FAMILY_BATCHES = "1,8,64"
+MOSAIC = rt.mosaic.MosaicRouteConfig
+MOSAIC_VARIANTS = (
+    MOSAIC(), MOSAIC(unroll=16), MOSAIC(split=True), MOSAIC(lane_weights=True),
+    MOSAIC(split=True, lane_weights=True), MOSAIC(split=True, lane_weights=True, cached=2),
+    MOSAIC(split=True, lane_weights=True, cached=4), MOSAIC(split=True, lane_weights=True, unroll=2),
+    MOSAIC(split=True, lane_weights=True, warpgroups=2),
+    MOSAIC(split=True, lane_weights=True, warpgroups=4),
+    MOSAIC(split=True, lane_weights=True, steps=2),
+)
+"""The Mosaic GPU kernel's schedules ``--families`` times at Kimi-K3 and DeepSeek-V3, the default
+first: the selection rounds unrolled as before (``unroll=16``), the keys split over the warps, the
+weights one a lane, both, and with both each lane's cache depth, two rounds a step, two and four
+rows a CTA side by side or two one after another."""
+GROUPED_OVER_PLAIN, XLA_OVER_KERNEL, MOSAIC_OVER_TRITON = 1.2, 4.0, 1.1
+"""The targets: DeepSeek-V3's time over Kimi-K3's (issue 45, B <= 64), XLA's route over the kernel's
+(issue 45), the Mosaic GPU kernel's over the Triton kernel's at Kimi-K3 (issue 47)."""
+
+
+def family_variants(interpret: bool = False) -> dict:
+    """``(family, backend, schedule)`` -> ``(cfg, fn(bias, logits))`` for ``--families``: "xla"
+    and "mosaic" (its default schedule) for every family, "triton" where it covers the family,
+    "mosaic" at each of ``MOSAIC_VARIANTS`` for Kimi-K3 and DeepSeek-V3. Schedules name Mosaic's
+    ``MosaicRouteConfig`` (empty for the others)."""
+    variants = {}
+    for family in FAMILIES:
+        cfg = mf.configs.PRESETS[family]
+        variants[family, "xla", ""] = cfg, lambda b, l, cfg=cfg: reference.route(l, b, cfg)
+        try:
+            rt.kernel.check_plain_routing(cfg)
+            variants[family, "triton", ""] = cfg, lambda b, l, cfg=cfg: rt.route(
+                l, b, cfg, interpret=interpret)
+        except NotImplementedError:
+            pass
+        configs = MOSAIC_VARIANTS if family in ("KIMI_K3", "DEEPSEEK_V3") else MOSAIC_VARIANTS[:1]
+        for c in configs:
+            variants[family, "mosaic", c.name] = cfg, lambda b, l, cfg=cfg, c=c: rt.route_mosaic(
+                l, b, cfg, config=c, interpret=interpret)
+    return variants
+
+
+def family_inputs(cfg, batch: int, copies: int):
+    """The bias and ``copies`` random logits ``[batch, E]`` of a family."""
+    bias = jax.random.uniform(jax.random.key(3), (cfg.experts,), jnp.float32, -0.05, 0.05)
+    return bias, [jax.random.normal(k, (batch, cfg.experts), jnp.float32) * 2
+                  for k in jax.random.split(jax.random.key(batch), copies)]
+
+
+def check_families(batches: list[int]) -> None:
+    """``--check --families``: every variant in interpret mode, ids and weights bit-equal to XLA's
+    reference on the same rows."""
+    variants = family_variants(interpret=True)
+    for batch in batches:
+        for (family, backend, schedule), (cfg, fn) in variants.items():
+            bias, (logits,) = family_inputs(cfg, batch, 1)
+            want = jax.jit(variants[family, "xla", ""][1])(bias, logits)
+            got = jax.jit(fn)(bias, logits)
+            if not all(bool(jnp.array_equal(g, w)) for g, w in zip(got, want)):
+                raise SystemExit(f"--check --families failed: {family} {backend} {schedule} "
+                                 f"B={batch}")
+        print(f"B={batch}: {len(variants)} family variants bit-equal to the reference", flush=True)
+    print("check ok")
+
+
+def time_families(batches: list[int], out: str) -> None:
+    """``--families`` on the GPU: compile every variant, time them batch by batch (CUPTI), check
+    their ids against XLA's, write the JSON, print the tables."""
+    device = jax.devices()[0]
+    print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)
+    variants = family_variants()
+    inputs = {(family, batch): family_inputs(mf.configs.PRESETS[family], batch, COPIES)
+              for family in FAMILIES for batch in batches}
+    keys = [(key, batch) for batch in batches for key in variants]
+
+    def compile_one(item):
+        (family, backend, schedule), batch = item
+        bias, logits = inputs[family, batch]
+        fn = variants[family, backend, schedule][1]
+        return jax.jit(fn).lower(bias, logits[0]).compile()
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        compiled = dict(zip(keys, pool.map(compile_one, keys)))
+    rows = []
+    for batch in batches:
+        for key in variants:
+            family, backend, schedule = key
+            bias, logits = inputs[family, batch]
+            per_kernel = timing.cupti_us_per_kernel(compiled[key, batch], bias, logits, rounds=4)
+            ids = compiled[key, batch](bias, logits[0])[0]
+            want = compiled[(family, "xla", ""), batch](bias, logits[0])[0]
+            cfg = variants[key][0]
+            call_us = statistics.median(map(sum, zip(*per_kernel.values())))
+            rows.append(dict(
+                stage="route_families", backend=backend, tp=1, batch=batch, family=family,
+                schedule=schedule, time_us=round(call_us, 3),
+                kernels={k: round(statistics.median(us), 3) for k, us in per_kernel.items()},
+                ids_agree=float(jnp.mean(jnp.all(ids == want, axis=1))),
+                bytes=rt.mosaic.route_bytes(batch, cfg.experts, cfg.top_k, bias=cfg.bias)))
+        print(f"B={batch}: {len(variants)} variants timed", flush=True)
+    timing.write_result(out, "bench_route_families", device.device_kind, rows, "route_families",
+                        READ_CEILING_TBS, f"HBM read {READ_CEILING_TBS} TB/s")
+    print_families_tables(rows, batches, device.device_kind)
+
+
+def print_families_tables(rows: list[dict], batches: list[int], device_kind: str) -> None:
+    """The families at Mosaic's default schedule, then each schedule at Kimi-K3 and DeepSeek-V3,
+    with the targets' ratios."""
+    t = {(r["family"], r["backend"], r["schedule"], r["batch"]): r for r in rows}
+    default = MOSAIC_VARIANTS[0].name
+    print(f"\nroute families, {device_kind}, {time.strftime('%Y-%m-%d')}, CUPTI kernel time per call "
+          f"(us); mosaic at {default}; /K3: over Kimi-K3's (DeepSeek-V3: <= {GROUPED_OVER_PLAIN})")
+    print(f"{'family':<14} {'B':>3} {'mosaic':>7} {'ids==xla':>8} {'/K3':>5} {'xla':>7} "
+          f"{'xla/mosaic':>10} {'>=4':>4} {'triton':>7} {'mosaic/triton':>13} {'<=1.1':>5}")
+    for family in FAMILIES:
+        for batch in batches:
+            m, x = t[family, "mosaic", default, batch], t[family, "xla", "", batch]
+            tr = t.get((family, "triton", "", batch))
+            ratio = x["time_us"] / m["time_us"]
+            plain = m["time_us"] / t["KIMI_K3", "mosaic", default, batch]["time_us"]
+            line = (f"{family:<14} {batch:>3} {m['time_us']:>7.2f} {m['ids_agree']:>8.3f} "
+                    f"{plain:>5.2f} {x['time_us']:>7.2f} {ratio:>10.2f} "
+                    f"{'yes' if ratio >= XLA_OVER_KERNEL else 'NO':>4}")
+            if tr is not None:
+                over = m["time_us"] / tr["time_us"]
+                line += (f" {tr['time_us']:>7.2f} {over:>13.2f} "
+                         f"{'yes' if over <= MOSAIC_OVER_TRITON else 'NO':>5}")
+            print(line)
+    print(f"\nmosaic schedules: Kimi-K3 us (over triton, <= {MOSAIC_OVER_TRITON}), DeepSeek-V3 us "
+          f"(over Kimi-K3, <= {GROUPED_OVER_PLAIN}), ids==xla the least of both")
+    print(f"{'schedule':<12}" + "".join(f" {'B=' + str(b):>26}" for b in batches))
+    for c in MOSAIC_VARIANTS:
+        cells = []
+        for batch in batches:
+            k3 = t["KIMI_K3", "mosaic", c.name, batch]
+            ds = t["DEEPSEEK_V3", "mosaic", c.name, batch]
+            tr = t["KIMI_K3", "triton", "", batch]
+            agree = min(k3["ids_agree"], ds["ids_agree"])
+            cells.append(f"{k3['time_us']:.2f} ({k3['time_us'] / tr['time_us']:.2f}) "
+                         f"{ds['time_us']:.2f} ({ds['time_us'] / k3['time_us']:.2f}) {agree:.3f}")
+        print(f"{c.name:<12}" + "".join(f" {cell:>26}" for cell in cells))
+
+
 def order_agrees(route_out, cfg) -> bool:
     """Whether a routing call's order, group sizes and inverse equal the reference's of its ids."""
     ids, _, *got = route_out
@@ -130,10 +285,16 @@ def main() -> None:
     parser.add_argument("--no-permute", action="store_true", help="time routing alone")
     parser.add_argument("--check", action="store_true",
                         help="run every variant in interpret mode at small batches, no timing")
+    parser.add_argument("--families", action="store_true",
+                        help="the routing families and the Mosaic kernel's schedules (B 1,8,64)")
     args = parser.parse_args()
+    default = args.batches == parser.get_default("batches")
+    if args.families:
+        batches = list(map(int, (FAMILY_BATCHES if default else args.batches).split(",")))
+        (check_families if args.check else lambda b: time_families(b, args.out))(batches)
+        return
     if args.check:
-        check([1, 3, 8] if args.batches == parser.get_default("batches")
-              else list(map(int, args.batches.split(","))))
+        check([1, 3, 8] if default else list(map(int, args.batches.split(","))))
         return
     device = jax.devices()[0]
     print("device", device.device_kind, time.strftime("%Y-%m-%d %H:%M"), flush=True)

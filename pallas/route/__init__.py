@@ -4,7 +4,8 @@ alone from given ids.
 
 ``kernel`` holds the Pallas Triton kernel and its schedule lookup (``pallas/tuning/<device
 kind>/route.json``, else a heuristic). ``mosaic`` holds the Mosaic GPU kernels, the same contract
-off the deprecated Triton backend: ``route_mosaic`` (the order a second launch),
+off the deprecated Triton backend and the grouped and softmax routing of SPEC 4.2 and 4.3 besides:
+``route_mosaic`` (the order a second launch; its schedule a ``mosaic.MosaicRouteConfig``),
 ``permutation_mosaic`` and their ``covers_mosaic`` and ``covers_permutation_mosaic``.
 """
 
