@@ -66,7 +66,8 @@ def test_k3_queues(tp):
 @pytest.mark.parametrize("seed", range(20))
 def test_schedule_of_random_regions(seed):
     """List scheduling over random region mixes and grids: every tile once, each queue in order,
-    and no down tile on a CTA while another CTA is idle for the whole launch."""
+    and every CTA some tile where there are as many tiles as CTAs (a down tile goes to an idle CTA
+    before a busy one)."""
     rng = np.random.default_rng(seed)
     times = [(int(rng.integers(1, 40)), float(rng.uniform(0.5, 3))) for _ in range(rng.integers(1, 4))]
     times.append((int(rng.integers(1, 60)), float(rng.uniform(0.2, 2))))
