@@ -187,11 +187,23 @@ def test_lowers_for_h200_as_one_launch(tp, batch):
 # --- on a GPU ------------------------------------------------------------------------------------------
 
 
-def _engine(split, valid, cfg, out_dtype):
+def _one_and_two(tp: int):
+    """K3's params at ``tp``, the layer kernel (as it is, then jitted) and the engine's two launches
+    (jitted; the same tiles), each ``(x, packed, gate_up, down) -> (logits, latent, plan,
+    shared)``."""
+    cfg = K3.with_tp(tp)
+    params = mf.pack_params(k3_weights(), cfg)
+    valid, split = cfg.experts_per_rank, params.split
+    out_dtype = jnp.float32 if tp > 1 else jnp.bfloat16
+
     def two_launches(x, w, g, d):
         logits, latent, planned, hidden = ek.front_gate_up(x, w, split, valid, g, cfg, plan=True)
         return logits, latent, planned, ek.down(hidden, d, out_dtype)
-    return jax.jit(two_launches)
+
+    def one_launch(x, w, g, d):
+        return el.layer(x, w, split, valid, g, d, cfg, plan=True, out_dtype=out_dtype)
+
+    return params, one_launch, jax.jit(one_launch), jax.jit(two_launches)
 
 
 def _flat(outputs):
@@ -205,13 +217,8 @@ def test_gpu_layer_matches_the_engine_and_float64(tp):
     """One launch gives the engine's two launches' bits (the same tiles in the same order: a missed
     hand-off would read a stale ``hidden``); the logits within 1e-5 of float64, the latent within
     one ulp."""
-    cfg = K3.with_tp(tp)
-    params = mf.pack_params(k3_weights(), cfg)
-    valid, split = cfg.experts_per_rank, params.split
-    out_dtype = jnp.float32 if tp > 1 else jnp.bfloat16
-    one = jax.jit(lambda x, w, g, d: el.layer(x, w, split, valid, g, d, cfg, plan=True,
-                                              out_dtype=out_dtype))
-    two = _engine(split, valid, cfg, out_dtype)
+    params, _, one, two = _one_and_two(tp)
+    valid, split = K3.with_tp(tp).experts_per_rank, params.split
     for batch in (1, 7, 37, 64):
         x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
         args = (x, params.packed, params.gate_up, params.down)
@@ -231,13 +238,7 @@ def test_gpu_layer_many_launches_in_a_row(tp):
     """Forty launches dispatched back to back, and a program of eight layers chained, each on
     other inputs, each checked against the engine's two launches: a counter left from the launch
     before, or a down tile that does not wait, shows as a wrong ``shared``."""
-    cfg = K3.with_tp(tp)
-    params = mf.pack_params(k3_weights(), cfg)
-    valid, split = cfg.experts_per_rank, params.split
-    out_dtype = jnp.float32 if tp > 1 else jnp.bfloat16
-    one = jax.jit(lambda x, w, g, d: el.layer(x, w, split, valid, g, d, cfg, plan=True,
-                                              out_dtype=out_dtype))
-    two = _engine(split, valid, cfg, out_dtype)
+    params, layer, one, two = _one_and_two(tp)
     weights = (params.packed, params.gate_up, params.down)
     xs = [jax.random.normal(jax.random.key(100 + i), (8, K3.hidden)).astype(jnp.bfloat16)
           for i in range(40)]
@@ -249,7 +250,7 @@ def test_gpu_layer_many_launches_in_a_row(tp):
     def chain(x, *w):
         steps = []
         for _ in range(8):
-            out = el.layer(x, w[0], split, valid, w[1], w[2], cfg, plan=True, out_dtype=out_dtype)
+            out = layer(x, *w)
             steps.append((x, out))
             x = (x.astype(jnp.float32) + out[3].astype(jnp.float32)).astype(x.dtype)
         return steps
