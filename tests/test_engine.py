@@ -519,6 +519,18 @@ def test_moe_front_merged_is_three_kernels_on_an_h200(batch, plan):
     assert text.count("stablehlo.pad") == (2 if batch % 8 else 0)
 
 
+def test_moe_front_without_a_latent_is_merged_on_an_h200():
+    """DeepSeek-V3 (no latent, SiLU, grouped routing) under ``"pallas"`` lowers for an H200 with
+    the merged front and the down as its two Mosaic GPU kernels and no XLA dot; the grouped routing
+    is the reference's (no Triton kernel)."""
+    cfg = mf.configs.DEEPSEEK_V3
+    params = mf.pack_params(mf.init_weights(jax.random.key(1), cfg), cfg)
+    x = jnp.zeros((8, cfg.hidden), jnp.bfloat16)
+    text = lower_for_h200(lambda x, p: mf.moe_front(x, p, backend="pallas"), x, params)
+    assert text.count("@mosaic_gpu_v2") == 2 and "triton" not in text
+    assert "stablehlo.dot_general" not in text
+
+
 # --- on the GPU --------------------------------------------------------------------------------------
 
 

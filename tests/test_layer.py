@@ -184,6 +184,21 @@ def test_lowers_for_h200_as_one_launch(tp, batch):
     assert "tensor<1xi32>" in text  # the semaphore's zero-filled global
 
 
+@pytest.mark.parametrize("tp", [1, 8])
+def test_lowers_for_h200_without_a_latent(tp):
+    """DeepSeek-V3's rank (256 router rows, no latent, the SiLU gate over 2048 / tp shared rows)
+    lowers for an H200 as one launch too."""
+    cfg = mf.configs.DEEPSEEK_V3.with_tp(tp)
+    valid, s_r, hidden = cfg.experts_per_rank, cfg.shared_per_rank, cfg.hidden
+    x = jnp.zeros((8, hidden), jnp.bfloat16)
+    packed = jnp.zeros((valid, hidden), jnp.bfloat16)
+    gate_up, down = jnp.zeros((2 * s_r, hidden), jnp.bfloat16), jnp.zeros((hidden, s_r), jnp.bfloat16)
+    text = lower_for_h200(
+        lambda x, w, g, d: el.layer(x, w, valid, valid, g, d, cfg, out_dtype=jnp.float32),
+        x, packed, gate_up, down)
+    assert text.count("@mosaic_gpu_v2") == 1 and "stablehlo.dot_general" not in text
+
+
 # --- on a GPU ------------------------------------------------------------------------------------------
 
 

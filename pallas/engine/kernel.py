@@ -555,7 +555,7 @@ def _front_config(x, packed, split, valid, gate_up_rows: int, plan_block: int,
             f"the logits' {chains} accumulators of router_rows={config.router_rows} take "
             f"{chains * config.router_rows // 2} registers a thread, over {MAX_ACC_REGS}; pick "
             "fewer router rows or a larger fold_k")
-    _check_smem(config, max(config.router_rows, config.latent_rows,
+    _check_smem(config, max(config.router_rows, config.latent_rows if shard else 0,
                             2 * config.gate_up_rows if gate_up_rows else 0))
     return config
 
