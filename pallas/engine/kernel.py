@@ -57,7 +57,7 @@ from moe_front_jax.pallas.gemm.schedule import FOLD_K, check_matrices
 from moe_front_jax.pallas.plan.kernel import magnitude_bits, to_e4m3
 
 MAX_BATCH = WGMMA_M
-"""Largest batch: wgmma's M, ``x``'s rows as the TMA copy zero-fills them."""
+"""Largest batch: wgmma's M, the rows of ``x``'s slot in shared memory (``_stream``)."""
 MAX_ROWS = WGMMA_MAX_N
 """Most weight rows per CTA (per part): wgmma's largest N."""
 MAX_PAIR_ROWS = 128
