@@ -15,8 +15,8 @@ its last kernel end in a profiler trace, divided by the layers: gaps and launche
 sum of its kernels' times (CUPTI's, from the same trace), the host's wall clock, and the kernels
 launched; and the host's side for a program that returns one small scalar, as a serving loop's
 step does: the dispatch time (until the call returns) and the pipelined time (calls back to back,
-one block at the end). The floor is the layer's weight bytes at the read ceiling measured in the same run
-(XLA's float32 sum over 2 GiB of bf16).
+one block at the end). The floor is the layer's weight bytes at the read ceiling measured in the
+same run (XLA's float32 sum over 2 GiB of bf16).
 The table prints last; everything goes to $OUT/bench_front.json (a variant that fails to compile
 or run is listed under "failed" with its error, and the run goes on), and the figure to
 $OUT/bench_front.png where matplotlib is installed.
