@@ -580,8 +580,8 @@ def covers_front_gate_up(x, packed, split, valid, gate_up, cfg, *, plan=False, c
         raise ValueError(f"cfg must be a FrontConfig, got {type(cfg).__name__}")
     _check_depth(x.shape[1], config, "hidden")
     if plan and not shard_of(packed, split):
-        raise ValueError(f"plan=True needs latent rows, but packed has none (split={split} = rows): "
-                         "a front without a latent (latent=0) has no MXFP8 plan")
+        raise ValueError(f"plan=True needs latent rows, but packed has none (split={split} = "
+                         "rows): a front without a latent (latent=0) has no MXFP8 plan")
     if plan and shard_of(packed, split) % cfg.plan_block:
         raise ValueError(f"the latent shard's {shard_of(packed, split)} rows must be a multiple of "
                          f"cfg.plan_block={cfg.plan_block}")

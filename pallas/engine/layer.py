@@ -1,4 +1,4 @@
-"""The layer kernel: one persistent Mosaic GPU launch streams a rank's whole front and shared expert.
+"""The layer kernel: one persistent Mosaic GPU launch streams a rank's front and shared expert.
 
 A grid of at most ``core_count()`` CTAs, each taking most of an SM's shared memory, so that all are
 resident at once. Each CTA runs a static queue of tiles (``schedule``), read from a table operand:
