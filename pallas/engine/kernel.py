@@ -265,14 +265,17 @@ def chains_for(depth: int, fold_k: int, block_k: int) -> int:
     return chains
 
 
-def _stream(x_gmem, views, tile, rows: int, config: EngineConfig, chains: int = 1):
+def _stream(x_gmem, views, tile, rows: int, config: EngineConfig, chains: int = 1,
+            before_x=None):
     """The float32 ``[64, rows]`` accumulators of row tile ``tile`` of each of ``views`` (one per
     part) against ``x`` over all of K. With ``chains > 1`` (one view) each K step is cut into
     ``chains`` column slices, each accumulated apart and summed at the end, so that no tensor-core
     chain is longer than ``K / chains`` (``FOLD_K``).
     The ring: ``num_stages`` slots, each the parts' ``[rows, block_k]`` and a ``[64, block_k]`` slot
     of ``x`` whose first ``x_gmem.shape[0]`` rows (a multiple of 8) the TMA copy fills; the rows
-    past them are never loaded, and only the accumulator rows they give (never stored) see them."""
+    past them are never loaded, and only the accumulator rows they give (never stored) see them.
+    ``before_x``: called between the ring's first weight copies and its first copies of ``x``
+    (``await_inputs``, so that the weight streams in while the kernel before still runs)."""
     block_k = config.block_k
     steps = x_gmem.shape[1] // block_k
     stages = min(config.num_stages, steps)
@@ -285,16 +288,26 @@ def _stream(x_gmem, views, tile, rows: int, config: EngineConfig, chains: int = 
     def scope(*refs):
         w_rings, (x_ring, landed) = refs[:parts], refs[parts:]
 
-        def fetch(step, slot):
+        def fetch_weights(step, slot):
             cols = pl.ds(step * block_k, block_k)
             for view, ring in zip(views, w_rings):
                 plgpu.copy_gmem_to_smem(view.at[pl.ds(tile * rows, rows), cols], ring.at[slot],
                                         landed.at[slot])
-            plgpu.copy_gmem_to_smem(x_gmem.at[:, cols], x_ring.at[slot, pl.ds(0, x_rows)],
-                                    landed.at[slot])
+
+        def fetch_x(step, slot):
+            plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(step * block_k, block_k)],
+                                    x_ring.at[slot, pl.ds(0, x_rows)], landed.at[slot])
+
+        def fetch(step, slot):
+            fetch_weights(step, slot)
+            fetch_x(step, slot)
 
         for step in range(stages):
-            fetch(step, step)
+            fetch_weights(step, step)
+        if before_x is not None:
+            before_x()
+        for step in range(stages):
+            fetch_x(step, step)
         return pl.run_scoped(functools.partial(run, w_rings, x_ring, landed, fetch),
                              *[plgpu.ACC((MAX_BATCH, rows), jnp.float32)] * count)
 

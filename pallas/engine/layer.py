@@ -57,7 +57,8 @@ from moe_front_jax.pallas.engine.kernel import (
     covers_front_gate_up,
     x_operand,
 )
-from moe_front_jax.pallas.gemm.mosaic import await_inputs, interpret_params, tma_rows
+from moe_front_jax.pallas.gemm.mosaic import (
+    await_inputs, interpret_params, release_dependents, tma_rows)
 
 NO_TILE = -1
 """A queue's entry past its last tile."""
@@ -135,38 +136,49 @@ def _fence_async_global() -> None:
 def _kernel(table_ref, x_gmem, packed, gate_up, down, *outs, plan: Queues, front_config,
             down_config, ep: _Epilogue, bp: int, phase: str, interpret: bool):
     """``phase``: ``"layer"`` (every tile, the hand-off by the semaphore), ``"front"`` or ``"down"``
-    (interpret mode's two launches; ``"down"`` reads ``hidden`` from ``x_gmem``)."""
-    await_inputs(interpret)
+    (interpret mode's two launches; ``"down"`` reads ``hidden`` from ``x_gmem``).
+    PDL: a CTA's first front tile starts its weight's copies before ``await_inputs`` (a first
+    down tile waits before it reads the semaphore); at its last tile the CTA lets the next kernel
+    launch (``release_dependents``). Nothing is written before the wait."""
     cta = lax.axis_index("cta")
     hidden = x_gmem if phase == "down" else outs[-1]
     gate_up_tiles = sum(r.ctas for r in plan.regions if r.kind == GATE_UP)
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if phase == "layer" else None
     chains = chains_for(x_gmem.shape[1], front_config.fold_k, front_config.block_k)
 
-    def run(region: Region, tile):
+    wait = functools.partial(await_inputs, interpret)
+
+    def run(region: Region, tile, opens: bool, last):
+        """Tile ``tile`` of ``region``; ``opens``: the CTA's first tile; ``last``: its last."""
         is_down = region.kind == DOWN
+        if is_down and opens:
+            wait()
         if is_down and sem is not None:
             plgpu.semaphore_wait(sem, gate_up_tiles, decrement=False, memory_scope="gpu")
             _fence_async_global()
+        pl.when(last)(functools.partial(release_dependents, interpret))
         weight = (packed, gate_up, down)[region.operand]
         views = [weight.at[pl.ds(first, region.rows)] for first in region.first_rows]
         accs = _stream(hidden if is_down else x_gmem, views, tile, region.cta_rows,
                        down_config if is_down else front_config,
-                       chains if region.kind == LOGITS else 1)
+                       chains if region.kind == LOGITS else 1,
+                       before_x=wait if opens and not is_down else None)
         rows = x_gmem.shape[0] if region.kind == GATE_UP else bp  # the rows the down reads
         _epilogue(region, accs, outs, tile * region.cta_rows, rows, ep)
         if region.kind == GATE_UP and sem is not None:
             _fence_async_global()
             plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
-    for step in range(plan.table.shape[1]):
+    depth = plan.table.shape[1]
+    for step in range(depth):
         tile = table_ref[cta, step]
+        last = (table_ref[cta, step + 1] == NO_TILE) if step + 1 < depth else tile != NO_TILE
         for i in plan.at_step(step):
             region, start = plan.regions[i], plan.starts[i]
             if phase != "layer" and (phase == "down") != (region.kind == DOWN):
                 continue  # interpret mode: the other launch's tile
             pl.when((tile >= start) & (tile < start + region.ctas))(
-                functools.partial(run, region, tile - start))
+                functools.partial(run, region, tile - start, step == 0, last))
 
 
 def layer(x, packed, split: int, valid: int, gate_up, down, cfg: FrontConfig, *,

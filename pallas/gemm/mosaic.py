@@ -34,6 +34,15 @@ def await_inputs(interpret: bool) -> None:
         plgpu.griddepcontrol_wait()
 
 
+def release_dependents(interpret: bool) -> None:
+    """Let the next kernel launch (``griddepcontrol_launch_dependents``): it launches once every
+    CTA has called this or exited, so its CTAs take the SMs this kernel frees and run up to their
+    own ``await_inputs``, which still waits for all of this kernel. Left out where
+    ``await_inputs`` is."""
+    if LAUNCH_WITH_PDL and not interpret:
+        plgpu.griddepcontrol_launch_dependents()
+
+
 def interpret_params(interpret: bool):
     """Mosaic GPU's interpret mode (a simulated GPU on the CPU) where ``interpret``, else None."""
     return plgpu.InterpretGPUParams() if interpret else None
