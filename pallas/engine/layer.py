@@ -14,10 +14,12 @@ front tiles before its down tiles, so a CTA that starts late can stall the launc
 deadlock it. Mosaic GPU's interpret mode runs no semaphores: there the same table runs as two
 launches, the front tiles, then the down tiles.
 
+With PDL, each CTA's first weight copies start before ``griddepcontrol_wait``, and its last tile
+lets the next kernel launch, whose CTAs then take the SMs this one frees (``_kernel``).
+
 Cost: ``kernel.front_gate_up``'s bytes plus ``kernel.down``'s (``kernel``'s docstring); ``hidden``
 ``[x rows, S_r]`` bf16 (``x_operand``'s rows) goes through L2, written once, re-read by every down
-tile. The semaphore is a
-4-byte global that XLA zero-fills before each launch (one small kernel).
+tile. The semaphore is a 4-byte global that XLA zero-fills before each launch (one small kernel).
 """
 
 from __future__ import annotations
