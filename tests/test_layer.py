@@ -38,29 +38,27 @@ def k3_queues(tp: int) -> el.Queues:
     return el.queues((*regions, gate), shared, front, down, K3.hidden, s_r, 132)
 
 
-def check_queues(q: el.Queues, ctas: int) -> None:
-    """Every tile in exactly one queue; each queue in tile order, so a CTA's front tiles come before
-    its first down tile (it never waits before it has signalled)."""
-    tiles = q.table[q.table != el.NO_TILE]
-    total = sum(r.ctas for r in q.regions)
-    assert sorted(tiles.tolist()) == list(range(total))
-    assert q.table.shape[0] == min(ctas, total)
-    for row in q.table:
+def check_table(table: np.ndarray, total: int, ctas: int) -> None:
+    """``ctas`` queues; every one of ``total`` tiles in exactly one; each queue in tile order, so a
+    CTA's front tiles come before its first down tile (it never waits before it has signalled),
+    and ``NO_TILE`` only after its last tile."""
+    assert table.shape[0] == ctas
+    assert sorted(table[table != el.NO_TILE].tolist()) == list(range(total))
+    for row in table:
         mine = row[row != el.NO_TILE]
         assert (np.diff(mine) > 0).all()
         assert (row[len(mine):] == el.NO_TILE).all()
-    assert q.regions[-1].kind == ek.DOWN
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_k3_queues(tp):
-    """At K3's shapes every SM gets a queue; each CTA runs at most one down tile, and with its
-    front tiles at most three tiles."""
+    """At K3's shapes every SM gets a queue, the down's tiles last; each CTA runs at most one down
+    tile, and with its front tiles at most three tiles."""
     q = k3_queues(tp)
-    check_queues(q, 132)
-    down = q.starts[-1]
-    assert (np.sum(q.table >= down, axis=1) <= 1).all()
-    assert q.table.shape == (132, q.table.shape[1]) and q.table.shape[1] <= 3
+    check_table(q.table, sum(r.ctas for r in q.regions), 132)
+    assert q.regions[-1].kind == ek.DOWN
+    assert (np.sum(q.table >= q.starts[-1], axis=1) <= 1).all()
+    assert q.table.shape[1] <= 3
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -74,15 +72,9 @@ def test_schedule_of_random_regions(seed):
     ctas = int(rng.integers(1, 50))
     table = el.schedule(times, len(times) - 1, ctas)
     total = sum(c for c, _ in times)
-    assert table.shape[0] == ctas
-    tiles = table[table != el.NO_TILE]
-    assert sorted(tiles.tolist()) == list(range(total))
-    for row in table:
-        mine = row[row != el.NO_TILE]
-        assert (np.diff(mine) > 0).all()
-    busy = (table != el.NO_TILE).any(axis=1)
+    check_table(table, total, ctas)
     if total >= ctas:
-        assert busy.all()
+        assert (table != el.NO_TILE).any(axis=1).all()
 
 
 # --- interpret mode ----------------------------------------------------------------------------------

@@ -113,15 +113,17 @@ def schedule(times: list[tuple[int, float]], after: int, ctas: int) -> np.ndarra
 
 
 def queues(front: tuple[Region, ...], down: Region, front_config: EngineConfig,
-           down_config: EngineConfig, hidden: int, s_r: int, ctas: int) -> Queues:
+           down_config: EngineConfig, front_depth: int, down_depth: int, ctas: int) -> Queues:
     """The launch's ``Queues``: the front regions longest tiles first, then the down, over
-    ``min(ctas, tiles)`` CTAs, each tile's time from the engine's model (``kernel._cta_time``)."""
+    ``min(ctas, tiles)`` CTAs, each tile's time from the engine's model (``kernel._cta_time``) over
+    its K (``H``, and ``S_r`` for the down)."""
     def time(region, config, depth):
         return _cta_time(region.cta_rows, len(region.first_rows), depth, MAX_BATCH,
                          config.block_k, config.num_stages)
 
-    timed = sorted(((r, time(r, front_config, hidden)) for r in front), key=lambda rt: -rt[1])
-    timed.append((down, time(down, down_config, s_r)))
+    timed = sorted(((r, time(r, front_config, front_depth)) for r in front),
+                   key=lambda rt: -rt[1])
+    timed.append((down, time(down, down_config, down_depth)))
     regions = tuple(r for r, _ in timed)
     starts = tuple(int(s) for s in np.cumsum([0] + [r.ctas for r in regions])[:-1])
     total = sum(r.ctas for r in regions)
