@@ -9,7 +9,6 @@ latent the routed sum is projected back to the model width; the shared expert's 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterable, Mapping
 
 import jax
@@ -20,9 +19,9 @@ from jax import lax
 from safetensors import safe_open
 
 from moe_front_jax.api import FrontOutput, moe_front
-from moe_front_jax.checkpoint import PathLike, checkpoint_files, load_weights
+from moe_front_jax.checkpoint import SAFETENSORS_DTYPES, PathLike, checkpoint_files, load_weights
 from moe_front_jax.config import FrontConfig
-from moe_front_jax.params import FrontParams, init_weights, pack_params
+from moe_front_jax.params import FrontParams, init_weights, normal, pack_params
 
 GATE_UP, DOWN, ROUTED_UP = "experts.gate_up", "experts.down", "routed_up_weight"
 """The routed experts' weight keys, ``D`` their input width (``L``, or ``H`` without a latent):
@@ -44,11 +43,6 @@ def init_experts(key: jax.Array, cfg: FrontConfig, intermediate: int) -> dict[st
     """Seeded routed-expert weights for ``cfg``: normals scaled by ``1 / sqrt(fan_in)``, bfloat16."""
     shapes = expert_shapes(cfg, intermediate)
     keys = jax.random.split(key, len(shapes))
-
-    @functools.partial(jax.jit, static_argnums=(1, 2))
-    def normal(k, shape, fan_in):
-        return (jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)).astype(jnp.bfloat16)
-
     # Each GEMM contracts a routed weight's middle axis, and the up-projection's last.
     return {name: normal(k, shape, shape[-1] if name == ROUTED_UP else shape[-2])
             for k, (name, shape) in zip(keys, shapes.items())}
@@ -82,13 +76,14 @@ def load_experts(paths_or_dir: PathLike | Iterable[PathLike], cfg: FrontConfig,
         key = f"{prefix}experts.{e}.{name}.weight"
         if key not in files:
             raise ValueError(f"checkpoint has no key {key!r}")
-        with safe_open(files[key], framework="numpy") as f:
-            array = f.get_tensor(key)
-        if array.dtype != jnp.bfloat16 or (shape is not None and array.shape != shape):
-            want = "" if shape is None else f"{shape} "
-            raise ValueError(f"checkpoint key {key!r} is {array.shape} {array.dtype}, "
-                             f"expected {want}bfloat16")
-        return array
+        with safe_open(files[key], framework="numpy") as f:  # the header checked before the data
+            header = f.get_slice(key)
+            got, dtype = tuple(header.get_shape()), header.get_dtype()
+            dtype = jnp.dtype(SAFETENSORS_DTYPES[dtype]) if dtype in SAFETENSORS_DTYPES else dtype
+            if dtype != jnp.bfloat16 or (shape is not None and got != shape):
+                want = "" if shape is None else f"{shape} "
+                raise ValueError(f"checkpoint key {key!r} is {got} {dtype}, expected {want}bfloat16")
+            return f.get_tensor(key)
 
     first = read(0, names[0], None)
     if first.ndim != 2 or first.shape[1] != cfg.hidden:

@@ -51,6 +51,11 @@ def weight_shapes(cfg: FrontConfig) -> dict[str, tuple[tuple[int, ...], jnp.dtyp
     return shapes
 
 
+def normal(key: jax.Array, shape: tuple[int, ...], fan_in: int) -> jax.Array:
+    """Seeded normals ``[*shape]`` scaled by ``1 / sqrt(fan_in)``, bfloat16 (``init_weights``')."""
+    return (jax.random.normal(key, shape, jnp.float32) / np.sqrt(fan_in)).astype(jnp.bfloat16)
+
+
 def init_weights(key: jax.Array, cfg: FrontConfig, shared: bool | None = None
                  ) -> dict[str, jax.Array]:
     """Seeded random weights at realistic scales, under the keys of SPEC section 2.
@@ -72,10 +77,6 @@ def init_weights(key: jax.Array, cfg: FrontConfig, shared: bool | None = None
     elif shared and not cfg.shared:
         raise ValueError("init_weights: shared=True needs FrontConfig.shared > 0, got 0")
     keys = jax.random.split(key, 5)
-
-    def normal(k, shape, fan_in):
-        return (jax.random.normal(k, shape, jnp.float32) / np.sqrt(fan_in)).astype(jnp.bfloat16)
-
     h = cfg.hidden
     weights = {GATE: normal(keys[0], (cfg.experts, h), h)}
     if cfg.bias:

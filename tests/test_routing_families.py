@@ -254,8 +254,9 @@ def test_kimi_k3_routing_bits_are_unchanged():
 
 def test_kernels_refuse_what_they_do_not_compute():
     """The Triton routing kernels rank sigmoid + bias over all experts and the separate
-    shared-expert kernels apply situ: "auto" falls through to the reference for the rest, "pallas"
-    raises. The engine (merged front, layer kernel) applies either activation."""
+    shared-expert kernels apply situ: for the rest their ``covers`` raise, and every backend then
+    runs the reference (SPEC section 9). The engine (merged front, layer kernel) applies either
+    activation."""
     from moe_front_jax.pallas.engine import kernel as engine
     from moe_front_jax.pallas.route import kernel as route_kernel
     from moe_front_jax.pallas.route_collect import kernel as route_collect

@@ -46,6 +46,7 @@ from moe_front_jax.pallas.gemm.schedule import (
     GridConfig,
     Selection,
     StreamKConfig,
+    TritonConfig,
     VectorConfig,
     config_from_json,
     padded_batch,
@@ -54,7 +55,7 @@ from moe_front_jax.pallas.plan.kernel import quantize_tile
 from moe_front_jax.reference import mailbox as mb
 
 
-FrontGemmConfig = GridConfig | StreamKConfig | VectorConfig
+FrontGemmConfig = TritonConfig
 """The front GEMM's schedules (``gemm.schedule``): the grid with split-K, stream-K, or the vector
 schedule (no plan epilogue). With the plan, ``block_rows`` is widened to the plan block."""
 
@@ -140,7 +141,7 @@ def auto_prefers_publish(x, packed, split, valid, buffer, control, tickets, cfg,
 
 def covers(x, packed, split, valid, block=None) -> None:
     """Raise ``NotImplementedError`` where the kernel does not cover these arguments (``B > 256``, a
-    hidden size not a multiple of 16), ``ValueError`` where they are wrong."""
+    hidden size not a multiple of 16, no latent rows), ``ValueError`` where they are wrong."""
     _check(x, packed, split, valid, block)
 
 
@@ -547,7 +548,8 @@ def front_gemm(
     Raises:
       ValueError: wrong shapes or dtypes, ``split``/``valid`` out of range, a config that does not
         divide ``H``.
-      NotImplementedError: ``B > 256`` or ``H`` not a multiple of 16 (use ``backend='xla'``).
+      NotImplementedError: ``B > 256``, ``H`` not a multiple of 16, or no latent rows
+        (``latent = 0``; use ``backend='xla'``).
     """
     logits, latent, *_ = _call(x, packed, split, valid, None, interpret, config)
     return logits, latent

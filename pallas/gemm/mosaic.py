@@ -43,9 +43,14 @@ def release_dependents(interpret: bool) -> None:
         plgpu.griddepcontrol_launch_dependents()
 
 
-def interpret_params(interpret: bool):
-    """Mosaic GPU's interpret mode (a simulated GPU on the CPU) where ``interpret``, else None."""
-    return plgpu.InterpretGPUParams() if interpret else None
+def interpret_params(interpret: bool, *, inline_mgpu: bool = True):
+    """Mosaic GPU's interpret mode (a simulated GPU on the CPU) where ``interpret``, else None;
+    ``inline_mgpu`` False: it leaves out ``plgpu.inline_mgpu`` code (barriers a CTA of one thread
+    does not need)."""
+    if not interpret:
+        return None
+    return plgpu.InterpretGPUParams() if inline_mgpu else plgpu.InterpretGPUParams(
+        inline_mgpu="ignore")
 
 
 def stage_transforms(block_k: int) -> tuple:

@@ -11,6 +11,7 @@ differs: its table's key and entries, its tiles and its epilogue.
 from __future__ import annotations
 
 import dataclasses
+import typing
 import math
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar, NamedTuple
@@ -140,7 +141,7 @@ class VectorConfig(ConfigChecks):
 
 TritonConfig = GridConfig | StreamKConfig | VectorConfig
 """A schedule that ``gemm.triton.launch`` runs."""
-TRITON_CONFIGS = (GridConfig, StreamKConfig, VectorConfig)
+TRITON_CONFIGS = typing.get_args(TritonConfig)
 
 
 def config_to_json(config) -> dict:

@@ -151,9 +151,10 @@ def pick_config(batch: int, experts: int, top_k: int) -> RouteConfig:
     return heuristic_config(batch, experts, top_k)
 
 
-def route_bytes(batch: int, experts: int, top_k: int) -> int:
-    """Bytes one call moves (the docstring's count): logits, bias, the chosen logits again, outputs."""
-    return 4 * batch * experts + 4 * experts + 4 * batch * top_k + 6 * batch * top_k
+def route_bytes(batch: int, experts: int, top_k: int, *, bias: bool = True) -> int:
+    """Bytes one call moves (the docstring's count): logits, the bias (where read), the chosen
+    logits again, ids and weights."""
+    return 4 * batch * experts + 4 * experts * bias + 4 * batch * top_k + 6 * batch * top_k
 
 
 def permute_words(batch: int) -> int:
@@ -643,7 +644,8 @@ def route(
     ``inverse`` ``[B * K]`` int32, as ``reference.routing.permutation``.
 
     Raises ValueError for wrong shapes or dtypes or an empty batch, NotImplementedError for more
-    than 4096 experts or ``permute`` over ``MAX_PERMUTE_ROWS`` rows (use ``backend='xla'``).
+    than 4096 experts, groups that drop some or softmax scoring (``check_plain_routing``), or
+    ``permute`` over ``MAX_PERMUTE_ROWS`` rows (use ``backend='xla'``).
     """
     covers(logits, bias, cfg, permute=permute)
     batch, experts = logits.shape

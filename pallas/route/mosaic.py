@@ -13,8 +13,8 @@ scores by ``G^2`` scalar comparisons; the other groups' keys go below every key.
 rounds in a loop; each lane caches its best ``cached`` (key, expert) pairs; a round takes the top by
 two one-register max reductions (the key, then the lowest expert holding it, packed with whether
 its lane has a key cached behind), writes it to shared memory and moves the winning lane's cache
-up; a lane that wins with nothing cached behind refills from its keys ranked below the one just
-chosen (a ``lax.cond``), and round 0's refill is the first fill. Why: Mosaic GPU in jax 0.11.2 has
+up; when the winning lane has nothing cached behind, every lane's cache is refilled from its keys
+ranked below the one just chosen (a ``lax.cond``), and round 0's refill is the first fill. Why: Mosaic GPU in jax 0.11.2 has
 no argmax, sort, cumsum, gather or popcount, but it lowers max reductions over a register layout,
 ``lax.cond`` on a scalar, scalar loads and stores at any index. Weights: the chosen logits loaded
 again, their sigmoids (or ``exp(l - max) / Z``), the tree sum and the correctly rounded division
@@ -36,10 +36,10 @@ over every slot, by one CTA per 64 slots (their ranks, ``inverse``; ``order[inve
 scalar stores) or per 64 experts (the last overlapping the one before). Integers only:
 ``reference.routing.permutation``'s bits.
 
-Cost: ``route_bytes`` ``= 4BE + 4E + 10BK`` (7.3 KB at B = 1, 243 KB at 64, K3; softmax reads no
-bias, and the row twice, from L1); a row takes ``2K`` dependent one-register warp reductions, ``2
-cached`` passes over its keys per fill, and with groups ``3G`` masked reductions over the row and
-``G^2`` scalar comparisons. ``permute_bytes`` ``= 4S'(S'/64 + E/64) + 12S + 4E`` from L2 (``S =
+Cost: ``kernel.route_bytes`` ``= 4BE + 4E + 10BK`` (7.3 KB at B = 1, 243 KB at 64, K3; softmax
+reads no bias, and the row twice, from L1); a row takes ``2K`` dependent one-register warp
+reductions, ``2 cached`` passes over its keys per fill, and with groups ``3G`` masked reductions
+over the row and ``G^2`` scalar comparisons. ``permute_bytes`` ``= 4S'(S'/64 + E/64) + 12S + 4E`` from L2 (``S =
 BK``, ``S' = max(S, 64)``; 7.6 KB at B = 1, 139 KB at 64, 1.3 MB at 256) and ``S'(S' + E)``
 comparisons: quadratic in B. Latency-bound; measured in ``benchmarks/bench_route.py`` beside the
 Triton kernel.
@@ -60,8 +60,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_front_jax import reference
 from moe_front_jax.config import FrontConfig
-from moe_front_jax.pallas.gemm.mosaic import await_inputs
-from moe_front_jax.pallas.route.kernel import NAN_KEY, PAD_KEY, _check, _check_ids
+from moe_front_jax.pallas.gemm.mosaic import await_inputs, interpret_params
+from moe_front_jax.pallas.route.kernel import (
+    NAN_KEY, PAD_KEY, _check, _check_ids, next_power_of_2)
 
 LANES = 32
 """Experts a warp's lanes hold side by side: ``route`` needs ``E`` a multiple of it, from two."""
@@ -165,13 +166,8 @@ DEFAULT_CONFIG = MosaicRouteConfig()
 
 def _barrier() -> None:
     """A warpgroup barrier (shared memory written by some threads, then read by all). Interpret
-    mode, where a CTA is one thread, leaves it out (``interpret_params``)."""
+    mode, where a CTA is one thread, leaves it out (``interpret_params(..., inline_mgpu=False)``)."""
     plgpu.inline_mgpu()(lambda ctx: mgpu.warpgroup_barrier())()
-
-
-def interpret_params(interpret: bool):
-    """Mosaic GPU's interpret mode where ``interpret`` (``_barrier`` left out), else None."""
-    return plgpu.InterpretGPUParams(inline_mgpu="ignore") if interpret else None
 
 
 def _div(x, y, interpret: bool):
@@ -212,7 +208,7 @@ def _unordered(ordered):
 def _tree_sum(values):
     """``((v0+v1)+(v2+v3))+...`` over a list of float32 scalars, padded with zeros to a power of two
     (``reference.tree_sum``)."""
-    width = 1 << max(len(values) - 1, 0).bit_length()
+    width = next_power_of_2(len(values))
     values = list(values) + [jnp.float32(0)] * (width - len(values))
     while len(values) > 1:
         values = [values[i] + values[i + 1] for i in range(0, len(values), 2)]
@@ -262,7 +258,7 @@ def _kept_groups(keys, expert, rev, cfg: FrontConfig):
 def _select(keys, rev, chosen_ref, *, cached: int, unroll: int):
     """Write the ``k`` experts with the largest ``ROW`` keys ``[E / 32, 32]`` int32 to
     ``chosen_ref`` ``[k]`` (shared memory, every thread the same values) in rank order, ties to the
-    lower expert (``PAD_KEY`` never chosen: at least ``k`` keys above it); return the largest key.
+    lower expert (``PAD_KEY`` never chosen: at least ``k`` keys above it).
     ``rev``: ``E - 1 - expert``, so that a max finds the lowest expert of a tie. The rounds are a
     loop of ``unroll`` rounds a step; the cache's first fill is the refill of round 0."""
     experts = rev.shape[0] * LANES
@@ -289,26 +285,25 @@ def _select(keys, rev, chosen_ref, *, cached: int, unroll: int):
         return best(live & ((keys < top) | ((keys == top) & (rev < winner))))
 
     def one_round(r, carry):
-        cache, top, winner, dry, largest = carry
+        cache, top, winner, dry = carry
         cache = lax.cond(dry, refill, lambda top, winner, cache: cache, top, winner, cache)
         top = jnp.max(cache[0])
         # The lowest expert holding the top, times two, plus one where its lane has no key cached
         # behind it: the next round refills.
-        behind = cache[2] if cached > 1 else cache[0]
-        flag = jnp.where(behind == pad, 1, 0) if cached > 1 else 1
+        flag = jnp.where(cache[2] == pad, 1, 0) if cached > 1 else 1
         mark = jnp.max(jnp.where(cache[0] == top, cache[1] * 2 + flag, -1))
         winner = mark >> 1
         chosen_ref[r] = (experts - 1) - winner
         won = cache[1] == winner
         cache = tuple(jnp.where(won, behind, held) for held, behind in
                       zip(cache, cache[2:] + (pad, jnp.int32(-1))))
-        return cache, top, winner, (mark & 1) == 1, jnp.where(r == 0, top, largest)
+        return cache, top, winner, (mark & 1) == 1
 
     lane = ROW.reduce(0)
     empty = tuple(plgpu.layout_cast(jnp.full((LANES,), value, jnp.int32), lane)
                   for _ in range(cached) for value in (PAD_KEY, -1))
     # Round 0 refills below a key above every key: it fills the cache from every live key.
-    first = (empty, jnp.int32(2**31 - 1), jnp.int32(experts), True, pad)
+    first = (empty, jnp.int32(2**31 - 1), jnp.int32(experts), True)
     k = chosen_ref.shape[0]
     unroll = min(unroll, k)
 
@@ -319,19 +314,16 @@ def _select(keys, rev, chosen_ref, *, cached: int, unroll: int):
 
     carry = lax.fori_loop(0, k // unroll, rounds, first) if k >= 2 * unroll else rounds(0, first)
     if k > unroll and k % unroll:
-        carry = rounds(k // unroll, carry, k % unroll)
-    return carry[-1]
+        rounds(k // unroll, carry, k % unroll)
 
 
-def _softmax_total(pairs, largest, interpret: bool):
-    """``reference.tree_sum`` of ``exp(l - max)`` over a row (``BUTTERFLY`` logits ``pairs``; NaN
-    as -inf; ``largest``, the row's largest ``_ordered`` logit): five sums over pairs of lanes,
-    then the ``E / 32`` lane sums (each a masked max, in registers) as a scalar tree."""
-    m = _finite(_unordered(largest))
+def _softmax_total(pairs, m, interpret: bool):
+    """``reference.tree_sum`` of ``exp(l - m)`` over a row (``BUTTERFLY`` logits ``pairs``; NaN
+    as -inf; ``m``, the row's largest logit, NaN as -inf): five sums over pairs of lanes, then the
+    ``E / 32`` lane sums (each a masked max, in registers) as a scalar tree."""
     e = _pair_sums(jnp.exp(_finite(pairs) - m), 5, interpret)
     j = plgpu.broadcasted_iota(jnp.int32, e.shape, 0, layout=LANE_SUMS)
-    total = _tree_sum([jnp.max(jnp.where(j == i, e, -jnp.inf)) for i in range(e.shape[0])])
-    return m, total
+    return _tree_sum([jnp.max(jnp.where(j == i, e, -jnp.inf)) for i in range(e.shape[0])])
 
 
 def _finite(x):
@@ -377,14 +369,15 @@ def _route_row(row, logits_ref, second_ref, ids_ref, weights_ref, chosen_ref, ke
                              interpret=interpret)
         if cfg.topk_groups < cfg.groups:
             keys = jnp.where(_kept_groups(keys, expert, rev, cfg), keys, jnp.int32(PAD_KEY))
-    largest = _select(keys, rev, chosen_ref, cached=config.cached, unroll=config.unroll)
+    _select(keys, rev, chosen_ref, cached=config.cached, unroll=config.unroll)
     chosen = [chosen_ref[r] for r in range(k)]
     ids_ref[row] = _every(chosen, jnp.int32)
     # The chosen logits again (scalar loads, L1 hits): the scores the keys were made of.
     logits = [logits_ref[row, e // LANES, e % LANES] for e in chosen]
     if softmax:
         pairs = plgpu.load(second_ref.at[row], layout=BUTTERFLY, optimized=False)
-        m, z = _softmax_total(pairs, largest, interpret)
+        m = _finite(logits[0])  # the top expert's logit: the row's largest
+        z = _softmax_total(pairs, m, interpret)
         score = lambda l: _div(jnp.exp(_finite(l) - m), z, interpret)
     else:
         score = lambda l: _sigmoid(l, interpret)
@@ -448,10 +441,9 @@ def _route_kernel(logits_ref, second_ref, ids_ref, weights_ref, *, chosen_ref, k
 
 
 def _chunks(total: int):
-    """The column steps over ``total >= 64`` entries: step ``i`` loads ``[start, start + 64)`` with
-    ``start = min(64 i, total - 64)`` and counts only the entries from ``64 i`` on (the last step
-    overlaps the one before where ``total`` is not a multiple of 64)."""
-    return -(-total // BLOCK)
+    """Blocks of 64 over ``total >= 64`` entries, the last one short; the kernel loads it as the
+    64 entries ending at ``total`` (overlapping the block before) and counts from ``64 i`` on."""
+    return pl.cdiv(total, BLOCK)
 
 
 def _permute_kernel(flat_ref, order_ref, sizes_ref, inverse_ref, *, slots, padded, interpret):
@@ -507,12 +499,6 @@ def _permute_kernel(flat_ref, order_ref, sizes_ref, inverse_ref, *, slots, padde
                                                keyed=False)
 
 
-def route_bytes(batch: int, experts: int, top_k: int, *, bias: bool = True) -> int:
-    """Bytes ``route`` moves: logits and bias (``bias``) read, the chosen logits again, ids and
-    weights."""
-    return 4 * batch * experts + 4 * experts * bias + 4 * batch * top_k + 6 * batch * top_k
-
-
 def permute_bytes(batch: int, experts: int, top_k: int) -> int:
     """Bytes ``permutation`` moves (L2-resident): every id read once per CTA, its outputs written."""
     slots = batch * top_k
@@ -521,25 +507,28 @@ def permute_bytes(batch: int, experts: int, top_k: int) -> int:
 
 
 def covers(logits, bias, cfg, *, permute: bool = False, config=None) -> None:
-    """Raise ``ValueError`` for wrong arguments (``kernel.covers``' checks, a ``config`` that is not
-    a ``MosaicRouteConfig``), ``NotImplementedError`` where ``route`` does not cover them: ``E``
-    not a multiple of 32 or below 64 (Mosaic GPU's layout inference fails on one run of 32),
-    ``split`` with ``E`` not a multiple of 128, ``permute`` past ``MAX_PERMUTE_ROWS`` rows."""
+    """Raise ``ValueError`` for wrong arguments (``kernel._check``: shapes, dtypes, an empty batch;
+    a ``config`` that is not a ``MosaicRouteConfig``), ``NotImplementedError`` where ``route`` does
+    not cover them: more than ``kernel.MAX_LANES`` experts (``_check``), ``E`` not a multiple of 32
+    or below 64 (Mosaic GPU's layout inference fails on one run of 32), ``split`` with ``E`` not a
+    multiple of 128, ``lane_weights`` with ``top_k`` not a power of two up to 32, ``permute`` past
+    ``MAX_PERMUTE_ROWS`` rows."""
     _check(logits, bias, cfg)
     if config is not None and not isinstance(config, MosaicRouteConfig):
         raise ValueError(f"config must be a MosaicRouteConfig, got {config!r}")
+    config = config or DEFAULT_CONFIG
     if cfg.experts % LANES or cfg.experts < 2 * LANES:
         raise NotImplementedError(
             f"the Mosaic GPU routing kernel holds experts in runs of {LANES} lanes, at least two "
             f"(one does not lower): experts={cfg.experts} is not {LANES} * n with n >= 2; use the "
             "Triton kernel or backend='xla'")
-    if config is not None and config.split and cfg.scoring == "sigmoid" and (
+    if config.split and cfg.scoring == "sigmoid" and (
             cfg.experts % (WARPS * LANES)):
         raise NotImplementedError(
             f"MosaicRouteConfig.split gives each of {WARPS} warps a quarter of the row's runs of "
             f"{LANES}: experts={cfg.experts} is not a multiple of {WARPS * LANES}")
     k = cfg.top_k
-    if config is not None and config.lane_weights and (k & (k - 1) or not 2 <= k <= LANES):
+    if config.lane_weights and (k & (k - 1) or not 2 <= k <= LANES):
         raise NotImplementedError(
             f"MosaicRouteConfig.lane_weights puts a weight in each lane, a power of two of them "
             f"up to {LANES}: top_k={k}")
@@ -614,7 +603,7 @@ def route(logits: jax.Array, bias: jax.Array, cfg: FrontConfig, *, interpret: bo
         out_type=(jax.ShapeDtypeStruct((batch, k), jnp.int32),
                   jax.ShapeDtypeStruct(weights_shape, jnp.bfloat16)),
         grid=(pl.cdiv(batch, config.rows),), grid_names=("cta",), **threads, scratch_types=scratch,
-        compiler_params=_no_barriers(), interpret=interpret_params(interpret),
+        compiler_params=_no_barriers(), interpret=interpret_params(interpret, inline_mgpu=False),
         kernel_name="route_mosaic",
     )(logits.reshape(batch, -1, LANES), second)
     weights = weights.reshape(batch, k)
@@ -632,7 +621,7 @@ def _permutation(flat, slots: int, cfg: FrontConfig, interpret: bool):
                   jax.ShapeDtypeStruct((cfg.experts,), jnp.int32),
                   jax.ShapeDtypeStruct((slots,), jnp.int32)),
         grid=(_chunks(padded) + _chunks(cfg.experts),), grid_names=("cta",),
-        compiler_params=_no_barriers(), interpret=interpret_params(interpret),
+        compiler_params=_no_barriers(), interpret=interpret_params(interpret, inline_mgpu=False),
         kernel_name="route_permutation_mosaic",
     )(flat)
 

@@ -240,7 +240,7 @@ def route_collect(
     the latent, bit for bit) follows the latent.
 
     Raises ValueError for a wrong buffer, control, batch, bias or status; NotImplementedError for
-    more than ``route.MAX_LANES`` experts, or ``with_plan`` with a block it does not fuse.
+    over ``route.MAX_LANES`` experts, groups, softmax, or a plan block it does not fuse.
     """
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")

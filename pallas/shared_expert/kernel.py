@@ -168,8 +168,9 @@ def shared_expert(
 
     Raises:
       ValueError: wrong shapes or dtypes, a config that does not divide H or S_r.
-      NotImplementedError: ``B > 256``, H or S_r not a multiple of 16, or a TMA schedule asked for
-        ``B > 64`` or rows it does not cut (use ``backend='xla'``).
+      NotImplementedError: ``B > 256``, H or S_r not a multiple of 16, an activation other than
+        situ, or a TMA schedule asked for ``B > 64`` or rows it does not cut (use
+        ``backend='xla'``).
     """
     covers(x, gate_up, down, cfg, out_dtype)
     s_r, hidden = down.shape[1], x.shape[1]
