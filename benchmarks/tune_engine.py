@@ -7,7 +7,7 @@ past the L2).
 For each launch (``merged``: ``engine.front_gate_up`` with the plan; ``down``: ``engine.down`` into
 bfloat16), tp and B: the heuristic's ``EngineConfig``,
 then every config one field away from it that the launch takes (a region's CTA rows over the cuts
-that divide its rows; ``block_k`` with each ring depth from 2 to 6; ``pad_x`` flipped). Each is
+that divide its rows; ``block_k`` with each ring depth from 2 to 6). Each is
 checked first (merged: the logits and latent against the float64 contract; down: within
 2 bfloat16 ulps of float64 at ``max(|y|, the row's RMS)``), then timed. The engine reads no table:
 this says whether ``heuristic_config``'s model picks well, and by how much the best cut beats it.
@@ -111,7 +111,7 @@ def _fits(case: Case, config: engine.EngineConfig) -> bool:
 def neighbours(case: Case, base: engine.EngineConfig) -> list[engine.EngineConfig]:
     """``base``, then every config one field away from it (module docstring) that the launch
     takes, each once; a wider CTA keeps the deepest ring that fits beside it."""
-    out = [base, dataclasses.replace(base, pad_x=not base.pad_x)]
+    out = [base]
     for field, (rows_, most, multiple) in case.regions.items():
         for r in ek.row_choices(rows_, most, multiple):
             config = dataclasses.replace(base, **{field: r})
@@ -222,17 +222,14 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune_engine.json"), "w") as f:
         json.dump(dict(device=device.device_kind, results=results, skipped=skipped), f, indent=1)
-    print(f"\n{'launch':>6} {'tp':>3} {'B':>3} {'heuristic':>9} {'TB/s':>5} {'pad_x':>6} "
-          f"{'best':>7} {'TB/s':>5}  best config   (us; pad_x: the heuristic's tiling, pad_x flipped)")
+    print(f"\n{'launch':>6} {'tp':>3} {'B':>3} {'heuristic':>9} {'TB/s':>5} "
+          f"{'best':>7} {'TB/s':>5}  best config   (us)")
     for r in results:
         mine = next((t for t in r["timed"] if t["heuristic"]), None)
-        flipped = {**r["heuristic"], "pad_x": not r["heuristic"]["pad_x"]}
-        other = next((t for t in r["timed"] if t["config"] == flipped), None)
         best = r["timed"][0] if r["timed"] else None
         changed = {k: v for k, v in best["config"].items() if v != r["heuristic"][k]} if best else {}
         print(f"{r['launch']:>6} {r['tp']:>3} {r['batch']:>3} "
               f"{mine['us'] if mine else float('nan'):>9.2f} {mine['tbs'] if mine else float('nan'):>5.2f} "
-              f"{other['us'] if other else float('nan'):>6.2f} "
               f"{best['us'] if best else float('nan'):>7.2f} {best['tbs'] if best else float('nan'):>5.2f}  "
               f"{changed or 'the heuristic'}")
     for case in skipped:

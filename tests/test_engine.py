@@ -100,8 +100,7 @@ FRONT_CONFIGS = (
     None,
     EngineConfig(router_rows=8, latent_rows=16, gate_up_rows=16, block_k=64, num_stages=3,
                  fold_k=64),
-    EngineConfig(router_rows=32, latent_rows=64, gate_up_rows=32, block_k=128, num_stages=2,
-                 pad_x=False),
+    EngineConfig(router_rows=32, latent_rows=64, gate_up_rows=32, block_k=128, num_stages=2),
 )
 
 
@@ -145,7 +144,7 @@ def test_interpret_front_gemm_random_data_within_contract():
 GATE_UP_CONFIGS = (
     None,
     EngineConfig(router_rows=16, latent_rows=64, gate_up_rows=16, block_k=64, num_stages=3,
-                 fold_k=128, pad_x=False),
+                 fold_k=128),
 )
 
 
@@ -194,7 +193,7 @@ def test_interpret_plan_of_non_finite_latent():
     assert (want_scales[:, 0] == 254).all() and (want_scales[:, 2] == 254).all()
 
 
-DOWN_CONFIGS = (None, EngineConfig(down_rows=64, block_k=32, num_stages=2, pad_x=False))
+DOWN_CONFIGS = (None, EngineConfig(down_rows=64, block_k=32, num_stages=2))
 
 
 @pytest.mark.parametrize("config", DOWN_CONFIGS)
@@ -308,7 +307,6 @@ def test_covers_errors():
 @pytest.mark.parametrize("field, value", [
     ("router_rows", 12), ("latent_rows", 264), ("gate_up_rows", 136), ("down_rows", 0),
     ("block_k", 96), ("block_k", 16), ("num_stages", 1), ("fold_k", 96), ("router_rows", 32.0),
-    ("pad_x", 1),
 ])
 def test_config_errors(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field} must be"):
@@ -322,8 +320,6 @@ K3_TILING = {
     (8, "front"): ((16, 7), (16, 28)),
     (8, "merged"): ((16, 7), (16, 28), (8, 96)),
 }
-# (tp, region) -> pad_x: padded where every CTA's weight rows are fewer than x's 64-row box; tp1's
-# merged front (128-row CTAs) is not, as it ran faster unpadded on an H100 (docs/findings.md).
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
@@ -361,7 +357,6 @@ def test_heuristic_tiling_at_k3_shapes(tp):
         }
         for kind, want in got.items():
             assert want == K3_TILING[tp, kind], (tp, kind)
-        assert not (front.pad_x or merged.pad_x or down.pad_x)  # the box: B up to a multiple of 8
         assert K3.hidden // down.down_rows == 128
 
 

@@ -99,8 +99,8 @@ def engine_interpret(x, w, gate_up, down, *, plan=False, out_dtype=jnp.bfloat16,
 LAYER_CONFIGS = (
     (None, None),
     (EngineConfig(router_rows=16, latent_rows=64, gate_up_rows=16, block_k=64, num_stages=3,
-                  fold_k=128, pad_x=False),
-     EngineConfig(down_rows=64, block_k=32, num_stages=2, pad_x=False)),
+                  fold_k=128),
+     EngineConfig(down_rows=64, block_k=32, num_stages=2)),
 )
 
 

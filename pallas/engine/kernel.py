@@ -2,7 +2,7 @@
 
 Every CTA owns ``rows`` consecutive rows of one region over all of K (no split): a ring of
 ``num_stages`` TMA stages of ``block_k`` columns feeds wgmma with ``x``'s rows as M (64, of which
-the copy fills B rounded up to 8, or all 64 with ``pad_x``) and the CTA's rows as N (tma.py's
+the copy fills B rounded up to 8) and the CTA's rows as N (tma.py's
 ``batch_m``). Each region has its own epilogue on the accumulator registers, TMA-stored through
 shared memory: router rows -> float32 logits (K cut into chains of at most ``fold_k``); latent rows
 -> bfloat16 latent (and its MXFP8 plan; none at ``latent = 0``); gate/up pairs (two accumulators)
@@ -17,7 +17,7 @@ Cost per call (bf16 = 2 bytes; ``shard = n - split``):
                   + B shard (1 + 1/32)             the plan, when asked for
   gate/up   bytes += 2 * 2 S_r H + 2 B S_r         176.2 MB tp1, 22.0 MB tp8; hidden written
   down      bytes = 2 H S_r + 2 B S_r + B H (2|4)   88.1 MB tp1, 11.0 MB tp8
-  x (or hidden), B rounded up to 8 rows (64 with pad_x), is re-read from L2 by every CTA: 2 rows K
+  x (or hidden), B rounded up to 8 rows, is re-read from L2 by every CTA: 2 rows K
   bytes a CTA, not HBM traffic (at tp8, 64 rows came to 3x the weight's bytes); the pad writes
   them once, where XLA does not fold it into x's producer.
   FLOPs = 2 * 64 * (weight rows) * K on the tensor cores (M is 64 whatever B; 2 B per weight
@@ -86,9 +86,6 @@ class EngineConfig:
       num_stages: TMA stages in the ring, at least 2.
       fold_k: most K columns one accumulation chain of the logits covers (``chains_for``); a
         multiple of ``block_k``.
-      pad_x: zero-pad ``x`` to 64 rows in XLA before the launch (one small fusion) and copy all
-        64 a stage; off, pad it to a multiple of 8 rows and copy only those (``x_operand``,
-        ``_stream``): at B=8 an eighth of the bytes each CTA re-reads from L2.
     """
 
     router_rows: int = 32
@@ -98,7 +95,6 @@ class EngineConfig:
     block_k: int = 128
     num_stages: int = 4
     fold_k: int = FOLD_K
-    pad_x: bool = True
 
     def __post_init__(self):
         name = type(self).__name__
@@ -116,8 +112,6 @@ class EngineConfig:
         if type(self.fold_k) is not int or self.fold_k < k or self.fold_k % k:
             raise ValueError(f"{name}.fold_k must be a positive multiple of block_k={k}, got "
                              f"{self.fold_k!r}")
-        if type(self.pad_x) is not bool:
-            raise ValueError(f"{name}.pad_x must be a bool, got {self.pad_x!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,9 +233,8 @@ def heuristic_config(depth: int, router: int = 0, latent: int = 0, gate_up: int 
                      down: int = 0, plan_block: int = 0, cores: int = 132) -> EngineConfig:
     """A tiling for a device without a table (``cut``): rows of each present region (0 rows: the
     region is absent and keeps the default), ``block_k`` and the ring's depth; ``x`` ``[B, depth]``
-    whatever B (wgmma's M is 64 rows at every B <= 64). ``pad_x`` off: each stage's box of ``x``
-    is B rounded up to 8 rows, never more bytes than the 64-row box (docs/findings.md, the layer
-    kernel)."""
+    whatever B (wgmma's M is 64 rows at every B <= 64; each stage's box of ``x`` is B rounded up to
+    8 rows: ``x_operand``)."""
     chains = chains_for(depth, FOLD_K, max(_block_ks(depth), default=32))
     present = [(name, rows, parts, multiple, c) for name, rows, parts, multiple, c in (
         ("router_rows", router, 1, ROW_STEP, chains),
@@ -250,7 +243,7 @@ def heuristic_config(depth: int, router: int = 0, latent: int = 0, gate_up: int 
         ("down_rows", down, 1, ROW_STEP, 1)) if rows]
     block_k, combo, stages = cut(tuple(p[1:] for p in present), depth, cores)
     fields = {name: r for (name, *_), r in zip(present, combo)}
-    return EngineConfig(**fields, block_k=block_k, num_stages=stages, pad_x=False)
+    return EngineConfig(**fields, block_k=block_k, num_stages=stages)
 
 
 # --- the kernel --------------------------------------------------------------------------------------
@@ -441,11 +434,12 @@ def _epilogue(region: Region, accs, outs, column, bp: int, ep: _Epilogue) -> Non
     _store(tiles, dsts, bp)
 
 
-def x_operand(x, config: EngineConfig) -> jax.Array:
-    """``x`` ``[B, K]`` as a launch reads it, each stage's TMA box of it (``_stream``): 64 rows
-    where ``config.pad_x``, else B rounded up to a multiple of 8, zero rows added in XLA (one small
-    fusion). Either way the launch writes ``tma_rows(B)`` rows of each output."""
-    rows = MAX_BATCH if config.pad_x else -(-x.shape[0] // 8) * 8
+def x_operand(x) -> jax.Array:
+    """``x`` ``[B, K]`` as a launch reads it, each stage's TMA box of it (``_stream``): B rounded up
+    to a multiple of 8 rows, zero rows added in XLA (one small fusion), not wgmma's 64: at tp8 B=8
+    a 64-row box made each CTA re-read 8x the bytes of ``x`` from L2 and the launch 18% slower
+    (docs/findings.md, the layer kernel). The launch writes ``tma_rows(B)`` rows of each output."""
+    rows = -(-x.shape[0] // 8) * 8
     return x if rows == x.shape[0] else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
 
 
@@ -482,7 +476,7 @@ def _launch(x, weights, regions: tuple[Region, ...], out_types, config: EngineCo
     return plgpu.kernel(
         kernel, out_type=tuple(out_types), grid=(total,), grid_names=("cta",),
         interpret=interpret_params(interpret), kernel_name=name,
-    )(x_operand(x, config), *weights)
+    )(x_operand(x), *weights)
 
 
 # --- checks ------------------------------------------------------------------------------------------

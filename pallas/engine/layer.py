@@ -210,7 +210,7 @@ def layer(x, packed, split: int, valid: int, gate_up, down, cfg: FrontConfig, *,
                                down_config)
     batch, shard = x.shape[0], packed.shape[0] - split
     bp = tma_rows(batch)
-    x_in = x_operand(x, front_config)
+    x_in = x_operand(x)
     front, outs = _front_parts(valid, split, shard, bp, block, front_config)
     front.append(Region(GATE_UP, 1, (0, s_r), s_r, front_config.gate_up_rows, (len(outs) + 1,)))
     shared = Region(DOWN, 2, (0,), hidden_width, down_config.down_rows, (len(outs),))
