@@ -159,7 +159,8 @@ class CheckpointReader:
 
     Attributes ``names`` (the SPEC keys found), ``has_shared`` and ``split_gate_up`` (DeepSeek's
     two keys rather than the fused one) say what the checkpoint holds. Raises ``ValueError`` naming
-    the key that is missing or has the wrong shape or dtype, or only one of the shared expert's.
+    the key that is missing or has the wrong shape or dtype, only one of the shared expert's, or one
+    ``cfg`` has no place for (``params.absent_keys``).
     """
 
     def __init__(self, paths_or_dir: PathLike | Iterable[PathLike], cfg: FrontConfig, prefix: str = ""):
@@ -169,6 +170,9 @@ class CheckpointReader:
             raise ValueError(f"prefix must be a str such as 'model.layers.3.mlp.', got {prefix!r}")
         self.cfg, self.prefix = cfg, prefix
         self.files = checkpoint_files(paths_or_dir)
+        if why := packing.absent_keys({k.removeprefix(prefix) for k in self.files
+                                       if k.startswith(prefix)}, cfg):
+            raise ValueError(f"checkpoint at prefix {prefix!r}: {why}")
         shapes = packing.weight_shapes(cfg)
         names = [name for name in shapes if name not in packing.SHARED_KEYS]
         # DeepSeek's layout: gate and up as two keys, read as the rows of the fused one.

@@ -51,6 +51,19 @@ def weight_shapes(cfg: FrontConfig) -> dict[str, tuple[tuple[int, ...], jnp.dtyp
     return shapes
 
 
+def absent_keys(names, cfg: FrontConfig) -> str | None:
+    """Why a weight in ``names`` (SPEC keys) contradicts ``cfg``, or None: a correction bias for a
+    config without one (routing would ignore it: the wrong preset, or ``bias=False`` by mistake), a
+    latent down-projection at ``latent = 0`` (a front without a latent would drop it)."""
+    if BIAS in names and not cfg.bias:
+        return (f"{BIAS!r} is given but FrontConfig.bias is False (scoring={cfg.scoring!r}): routing "
+                "would ignore it; use a config with bias=True, or leave the key out")
+    if ROUTED_DOWN in names and not cfg.latent:
+        return (f"{ROUTED_DOWN!r} is given but FrontConfig.latent is 0: the front would drop it; "
+                "use a config with its latent width, or leave the key out")
+    return None
+
+
 def normal(key: jax.Array, shape: tuple[int, ...], fan_in: int) -> jax.Array:
     """Seeded normals ``[*shape]`` scaled by ``1 / sqrt(fan_in)``, bfloat16 (``init_weights``')."""
     return (jax.random.normal(key, shape, jnp.float32) / np.sqrt(fan_in)).astype(jnp.bfloat16)
@@ -107,11 +120,14 @@ def check_weights(weights: Mapping[str, jax.Array], cfg: FrontConfig) -> bool:
     """Validate ``weights`` against ``cfg``; returns whether the shared expert is present.
 
     Raises:
-      ValueError: naming the key whose array is missing or has the wrong shape or dtype, or when only
-        one of the two shared-expert keys is given.
+      ValueError: naming the key whose array is missing or has the wrong shape or dtype, when only
+        one of the two shared-expert keys is given, or a key ``cfg`` has no place for
+        (``absent_keys``).
     """
     if not isinstance(weights, Mapping):
         raise ValueError(f"weights must be a mapping of name -> array, got {type(weights).__name__}")
+    if why := absent_keys(weights, cfg):
+        raise ValueError(f"weights: {why}")
     expected = weight_shapes(cfg)
     present = [k for k in SHARED_KEYS if k in weights]
     if len(present) == 1:

@@ -242,6 +242,14 @@ def test_bad_weights():
     del w[mf.params.DOWN]
     with pytest.raises(ValueError, match="has 'shared_experts.gate_up_proj.weight' but not"):
         mf.pack_params(w, SMALL)
+    # A key the config has no place for: named, not dropped.
+    w = dict(mf.init_weights(jax.random.key(0), SMALL))
+    with pytest.raises(ValueError, match="'gate.e_score_correction_bias' is given but "
+                       "FrontConfig.bias is False"):
+        mf.pack_params(w, dataclasses.replace(SMALL, bias=False))
+    del w[mf.params.BIAS]
+    with pytest.raises(ValueError, match="'routed_down_weight' is given but FrontConfig.latent is 0"):
+        mf.pack_params(w, dataclasses.replace(SMALL, bias=False, latent=0))
 
 
 def test_route_errors():

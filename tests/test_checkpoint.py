@@ -1,5 +1,6 @@
 """mf.load_weights / mf.load_params: small safetensors checkpoints written here and loaded back."""
 
+import dataclasses
 import json
 import re
 
@@ -129,6 +130,15 @@ def test_bad_key_raises_value_error_naming_it(tmp_path, name, value, message):
     pattern = re.escape(message.format(key=key)).replace(re.escape(".*"), ".*")
     with pytest.raises(ValueError, match=pattern):
         mf.load_weights(tmp_path, CFG, prefix=PREFIX)
+
+
+def test_a_key_the_config_has_no_place_for_raises_naming_it(tmp_path):
+    """A biased checkpoint read with a config without a bias would route without it: refused."""
+    save_file(checkpoint(layer(5)), str(tmp_path / "m.safetensors"))
+    with pytest.raises(ValueError, match=re.escape(
+            f"checkpoint at prefix {PREFIX!r}: 'gate.e_score_correction_bias' is given but "
+            "FrontConfig.bias is False")):
+        mf.load_weights(tmp_path, dataclasses.replace(CFG, bias=False), prefix=PREFIX)
 
 
 def test_wrong_prefix_and_bad_sources(tmp_path):
