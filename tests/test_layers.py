@@ -48,12 +48,16 @@ def numpy_layer(x, layer: layers.MoELayer):
     return ids, out
 
 
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.gpu),
+                                     pytest.param("auto", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name", PRESETS)
-def test_preset_layer_matches_float64_numpy(name):
+def test_preset_layer_matches_float64_numpy(name, backend):
+    """On the CPU the reference; on a GPU ``"pallas"`` and ``"auto"``, whatever kernels their plans
+    take for the preset (``mf.explain``): the same ids, and the output within the same bound."""
     cfg = mf.configs.PRESETS[name]
     layer = layers.MoELayer.init(jax.random.key(0), cfg, INTERMEDIATE)
     x = jax.random.normal(jax.random.key(1), (3, cfg.hidden), jnp.float32).astype(jnp.bfloat16)
-    got, front = jax.jit(lambda lay, rows: lay(rows, backend="xla"))(layer, x)
+    got, front = jax.jit(lambda lay, rows: lay(rows, backend=backend))(layer, x)
     assert got.shape == (3, cfg.hidden) and got.dtype == jnp.bfloat16
     want_ids, want = numpy_layer(np.asarray(x), layer)
     np.testing.assert_array_equal(np.asarray(front.ids), want_ids)
