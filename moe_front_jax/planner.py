@@ -250,7 +250,7 @@ STATUS = _aval((), jnp.int32)
 
 
 def _route(b: _Builder, batch: int, cfg: FrontConfig, permute: bool) -> None:
-    """``route`` over the whole ``logits`` (with the dispatch order in its launch)."""
+    """``route`` over the whole ``logits`` (with ``permute`` the dispatch order too)."""
     outputs = ("ids", "weights", *(DISPATCH if permute else ()))
     kwargs = dict(permute=True) if permute else {}
     b.add("route", (Ref("logits"), Ref("bias"), cfg), outputs, _route_avals(batch, cfg, permute),

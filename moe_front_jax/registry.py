@@ -62,9 +62,12 @@ STAGES: dict[str, Stage] = {
     "front_gemm_plan": Stage(f"{_R}.gemm:front_gemm_plan", f"{_P}.front_gemm:front_gemm_plan",
                              auto=NEVER, covers=f"{_P}.front_gemm:covers",
                              selects=f"{_P}.front_gemm:selects"),
-    # With ``permute=True`` (a keyword) the routing kernel also writes the dispatch order (SPEC 4.1)
-    # in the same launch; "permute" is that order alone from ids (after ``route_collect``).
-    "route": Stage(f"{_R}.routing:route", f"{_P}.route:route", covers=f"{_P}.route:covers"),
+    # The Mosaic GPU routing kernel or the Triton one, per ``pallas/route/stage.py``'s measured rule.
+    # With ``permute=True`` (a keyword) routing also writes the dispatch order (SPEC 4.1): the Triton
+    # kernel in its launch, the Mosaic one in a second; "permute" is that order alone from ids (after
+    # ``route_collect``).
+    "route": Stage(f"{_R}.routing:route", f"{_P}.route.stage:route",
+                   covers=f"{_P}.route.stage:covers", selects=f"{_P}.route.stage:selects"),
     "permute": Stage(f"{_R}.routing:permutation", f"{_P}.route:permutation",
                      covers=f"{_P}.route:covers_permutation"),
     "plan": Stage(f"{_R}.plan:mxfp8_plan", f"{_P}.plan:plan", covers=f"{_P}.plan:covers"),

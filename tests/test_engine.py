@@ -516,14 +516,14 @@ def test_moe_front_merged_is_three_kernels_on_an_h200(batch, plan):
 
 def test_moe_front_without_a_latent_is_merged_on_an_h200():
     """DeepSeek-V3 (no latent, SiLU, grouped routing) under ``"pallas"`` lowers for an H200 with
-    the merged front and the down as its two Mosaic GPU kernels and no XLA dot; the grouped routing
-    is the reference's (no Triton kernel)."""
+    the merged front, the grouped routing and the down as its three Mosaic GPU kernels, no Triton
+    kernel and no XLA dot or top-k."""
     cfg = mf.configs.DEEPSEEK_V3
     params = mf.pack_params(mf.init_weights(jax.random.key(1), cfg), cfg)
     x = jnp.zeros((8, cfg.hidden), jnp.bfloat16)
     text = lower_for_h200(lambda x, p: mf.moe_front(x, p, backend="pallas"), x, params)
-    assert text.count("@mosaic_gpu_v2") == 2 and "triton" not in text
-    assert "stablehlo.dot_general" not in text
+    assert text.count("@mosaic_gpu_v2") == 3 and "triton" not in text
+    assert "stablehlo.dot_general" not in text and "top_k" not in text
 
 
 # --- on the GPU --------------------------------------------------------------------------------------

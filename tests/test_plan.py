@@ -266,9 +266,10 @@ def test_the_table_names_every_step_and_its_rule():
     params, x = params_of(CFG), rows(3)
     text = str(mf.explain(x.shape, params, plan=True, backend="interpret"))
     assert text.splitlines()[0].startswith("moe_front plan: one device, B=3, backend='interpret'")
-    for stage in ("front_gate_up", "route", "shared_down"):
-        assert re.search(rf"^\d+\s+{stage}\s+pallas\.\S+ \(interpret\)\s+backend='interpret'$",
-                         text, re.M), text
+    for stage, schedule in (("front_gate_up", ""), ("route", "; mosaic_route \\(w1s1c3u1; .*"),
+                            ("shared_down", "")):
+        assert re.search(rf"^\d+\s+{stage}\s+pallas\.\S+ \(interpret\)\s+backend='interpret'"
+                         rf"{schedule}$", text, re.M), text
     text = str(mf.explain(x, params, plan=True))
     assert "auto on cpu" in text and "reference.gemm.front_gemm" in text
     assert "note: merged front: no (front_gate_up: auto on cpu" in text

@@ -429,7 +429,7 @@ def test_grouped_plans_in_the_kernel(experts, k, group, width):
 
 def test_registered_behind_route_and_moe_front():
     stage = registry.STAGES["route"]
-    assert stage.kernel == "moe_front_jax.pallas.route:route" and stage.auto == registry.ALWAYS
+    assert stage.kernel == "moe_front_jax.pallas.route.stage:route" and stage.auto == registry.ALWAYS
     logits = jnp.zeros((5, K3.experts), jnp.float32)
     bias = jnp.zeros((K3.experts,), jnp.float32)
     assert registry.choose("route", "interpret", logits, bias, K3).kernel

@@ -16,6 +16,7 @@ from hypothesis.extra import numpy as hnp
 
 import moe_front_jax as mf
 import oracle
+from moe_front_jax import registry
 
 GROUPED = mf.FrontConfig(hidden=64, experts=64, top_k=8, latent=0, shared=0, groups=8, topk_groups=4,
                          routed_scaling_factor=2.5)
@@ -254,9 +255,10 @@ def test_kimi_k3_routing_bits_are_unchanged():
 
 def test_kernels_refuse_what_they_do_not_compute():
     """The Triton routing kernels rank sigmoid + bias over all experts and the separate
-    shared-expert kernels apply situ: for the rest their ``covers`` raise, and every backend then
-    runs the reference (SPEC section 9). The engine (merged front, layer kernel) applies either
-    activation."""
+    shared-expert kernels apply situ: for the rest their ``covers`` raise (the routing stage then
+    takes the Mosaic kernel, ``test_route_stage.py``; where it refuses too, as for 32 experts, and
+    for the shared expert, every backend runs the reference: SPEC section 9). The engine (merged
+    front, layer kernel) applies either activation."""
     from moe_front_jax.pallas.engine import kernel as engine
     from moe_front_jax.pallas.route import kernel as route_kernel
     from moe_front_jax.pallas.route_collect import kernel as route_collect
@@ -274,15 +276,18 @@ def test_kernels_refuse_what_they_do_not_compute():
     with pytest.raises(NotImplementedError, match="activation='silu' runs the reference"):
         shared_expert.covers(x, gate_up, down, silu)
     engine.covers_front_gate_up(x, jnp.zeros((128, 64), jnp.bfloat16), 64, 64, gate_up, silu)
-    ids, _ = mf.route(logits, bias, GROUPED, backend="interpret")   # the reference runs
-    oracle.assert_valid_ids(np.asarray(ids), 64)
+    with pytest.raises(NotImplementedError, match="neither routing kernel covers this"):
+        registry.choose("route", "interpret", logits[:, :32], bias[:32], SOFTMAX)
+    ids, _ = mf.route(logits[:, :32], bias[:32], SOFTMAX, backend="interpret")  # the reference
+    oracle.assert_valid_ids(np.asarray(ids), 32)
 
 
 def test_fronts_without_a_latent_run_on_every_backend():
     """The Triton front GEMM writes a latent: at latent=0 its covers refuse. The engine streams the
     router rows alone, so on "interpret" a DeepSeek-V3 front with its shared expert runs the merged
-    front's kernels (SiLU gate included) beside the reference routing: the same ids and weights as
-    backend="xla", the logits within 1e-5 and the shared expert within SPEC section 6's 1e-2."""
+    front's kernels (SiLU gate included) and the Mosaic routing kernel (its groups) with its
+    dispatch order: the same ids, weights and order as backend="xla", the logits within 1e-5 and
+    the shared expert within SPEC section 6's 1e-2."""
     from moe_front_jax.pallas.front_gemm import kernel as front_gemm
 
     x, packed = jnp.zeros((2, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16)
@@ -290,11 +295,15 @@ def test_fronts_without_a_latent_run_on_every_backend():
         front_gemm.covers(x, packed, 64, 64)
     cfg = dataclasses.replace(mf.configs.DEEPSEEK_V3, hidden=128)
     params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg), cfg)
-    assert "front_gate_up" in mf.explain((3, 128), params, backend="interpret").stages()
+    plan = mf.explain((3, 128), params, backend="interpret", permute=True)
+    assert plan.stages() == ("front_gate_up", "route", "shared_down")
+    assert plan.steps[1].kernel and "mosaic_route" in plan.steps[1].why
     rows = jax.random.normal(jax.random.key(1), (3, 128), jnp.bfloat16)
     got = mf.moe_front(rows, params, backend="interpret", permute=True)
     want = mf.moe_front(rows, params, backend="xla", permute=True)
     assert got.latent is None and want.latent is None
+    for got_part, want_part in zip(got.dispatch, want.dispatch, strict=True):
+        np.testing.assert_array_equal(np.asarray(got_part), np.asarray(want_part))
     for name in ("ids", "weights"):
         np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
                                       err_msg=name)
