@@ -18,8 +18,10 @@ step does: the dispatch time (until the call returns) and the pipelined time (ca
 one block at the end). The floor is the layer's weight bytes at the read ceiling measured in the
 same run (XLA's float32 sum over 2 GiB of bf16).
 The table prints last; everything goes to $OUT/bench_front.json (a variant that fails to compile
-or run is listed under "failed" with its error, and the run goes on), and the figure to
-$OUT/bench_front.png where matplotlib is installed.
+or run is listed under "failed" with its error, and the run goes on), and the figures to
+$OUT/bench_front.png (span against B) and $OUT/bench_front_breakdown.png (each layer's kernel time
+by kind, stacked, beside the floor) where matplotlib is installed. ``--replot FILE`` prints the
+tables and draws the figures again from a bench_front.json, on any machine.
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ def check(tp: int, batch: int) -> None:
     print(f"check tp={tp} B={batch}: auto and the kernels match xla")
 
 
-def draw(rows: list[dict], path: str) -> None:
+def draw(rows: list[dict], path: str, device: str) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -226,9 +228,93 @@ def draw(rows: list[dict], path: str) -> None:
         ax.set_xlabel("batch B")
         ax.set_ylabel("span per layer (us)")
         ax.legend()
-    fig.suptitle(f"moe_front per layer, {jax.devices()[0].device_kind}")
+    fig.suptitle(f"moe_front per layer, {device}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def kinds(row: dict) -> dict[str, float]:
+    """A row's kernel time a layer by kernel kind (``timing.kernel_kind``: XLA numbers a fusion
+    per layer, ``sort_1`` ... ``sort_5``, so a name alone is one layer's kernel amortized over the
+    program), the largest first."""
+    out = collections.Counter()
+    for name, us in row["kernel_us"].items():
+        out[timing.kernel_kind(name)] += us
+    return dict(out.most_common())
+
+
+def draw_breakdown(rows: list[dict], path: str, most: int = 16) -> None:
+    """``path``: one panel per tp, a horizontal bar per (B, backend) stacking its kernel time a
+    layer by kind (the ``most`` largest kinds over the panel coloured, the rest "other") and the
+    span's gaps past it, beside the floor (dashed)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no figure")
+        return
+    tps = sorted({r["tp"] for r in rows})
+    height = max(2.5, 0.32 * max(sum(r["tp"] == tp for r in rows) for tp in tps) + 1.5)
+    fig, axes = plt.subplots(len(tps), 1, figsize=(10, height * len(tps)), squeeze=False)
+    for ax, tp in zip(axes[:, 0], tps):
+        mine = sorted((r for r in rows if r["tp"] == tp), key=lambda r: (-r["batch"], r["backend"]))
+        totals = collections.Counter()
+        for r in mine:
+            totals.update(kinds(r))
+        shown = [k for k, _ in totals.most_common(most)]
+        colours = dict(zip(shown + ["other", "gaps"], plt.cm.tab20.colors))
+        for y, r in enumerate(mine):
+            spent, left = kinds(r), 0.0
+            parts = [(k, spent.get(k, 0.0)) for k in shown]
+            parts += [("other", sum(v for k, v in spent.items() if k not in shown)),
+                      ("gaps", max(0.0, (r["span_us"] or 0.0) - r["cupti_us"]))]
+            for k, us in parts:
+                ax.barh(y, us, left=left, color=colours[k], label=k if y == 0 else None)
+                left += us
+        ax.axvline(mine[0]["floor_us"], color="k", ls="--", label="floor")
+        ax.set_xlim(0, 1.02 * max(max(r["span_us"] or 0.0, r["cupti_us"]) for r in mine))
+        ax.set_yticks(range(len(mine)), [f"B={r['batch']} {r['backend']}" for r in mine])
+        ax.set_xlabel("us a layer (kernel time by kind, then gaps to the span)")
+        ax.set_title(f"tp={tp}" + (" (one rank, no exchange)" if tp > 1 else ""))
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle(f"where a layer's time goes, {rows[0].get('device', '')}".rstrip(", "))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(rows: list[dict], backends: list[str]) -> None:
+    """The tables: span / CUPTI / wall per backend, the host's side, and the time by kernel kind."""
+    print("\n| tp | B | floor | " + " | ".join(f"{b} span / CUPTI / wall (kernels)" for b in
+                                              backends) + " | xla / auto span |")
+    print("| --- " * (4 + len(backends)) + "|")
+    for tp, batch in dict.fromkeys((r["tp"], r["batch"]) for r in rows):
+        mine = {r["backend"]: r for r in rows if (r["tp"], r["batch"]) == (tp, batch)}
+        cells = [f"{r['span_us'] or float('nan'):.1f} / {r['cupti_us']:.1f} / {r['wall_us']:.0f} "
+                 f"({r['kernels_per_layer']:.3g})" if (r := mine.get(b)) else "-" for b in backends]
+        ratio = (mine["xla"]["span_us"] / mine["auto"]["span_us"]
+                 if {"xla", "auto"} <= set(mine) and mine["auto"]["span_us"] else float("nan"))
+        floor = next(iter(mine.values()))["floor_us"]
+        print(f"| {tp} | {batch} | {floor:.1f} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+    print("\nthe host a layer, one small output (us): dispatch / pipelined, beside the span:")
+    for r in rows:
+        print(f"  tp{r['tp']} B={r['batch']} {r['backend']}: {r['dispatch_us']:.1f} / "
+              f"{r['pipelined_us']:.1f} (span {r['span_us'] or float('nan'):.1f})")
+    print("\nwhere a layer's time goes (us a layer by kernel kind; the span adds gaps):")
+    for r in rows:
+        print(f"  tp{r['tp']} B={r['batch']} {r['backend']}: " + ", ".join(
+            f"{kind} {us:.1f}" for kind, us in kinds(r).items()))
+
+
+def replot(path: str, out: str) -> None:
+    """``--replot``: the tables and figures of a bench_front.json, into ``out``."""
+    with open(path) as f:
+        result = json.load(f)
+    rows = [dict(r, device=result["device"]) for r in result["rows"]]
+    os.makedirs(out, exist_ok=True)
+    draw(rows, os.path.join(out, "bench_front.png"), result["device"])
+    draw_breakdown(rows, os.path.join(out, "bench_front_breakdown.png"))
+    report(rows, list(dict.fromkeys(r["backend"] for r in rows)))
 
 
 def main() -> None:
@@ -243,7 +329,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--check", action="store_true",
                         help="only check, small shapes, on any machine (interpret mode off a GPU)")
+    parser.add_argument("--replot", metavar="FILE",
+                        help="a bench_front.json: print its tables, draw its figures into --out")
     args = parser.parse_args()
+    if args.replot:
+        replot(args.replot, args.out)
+        return
     tps = [int(t) for t in args.tps.split(",")]
     if args.check:
         for tp in tps:
@@ -281,28 +372,11 @@ def main() -> None:
                   layers=args.layers, rows=rows, failed=failed)
     with open(os.path.join(args.out, "bench_front.json"), "w") as f:
         json.dump(result, f, indent=1)
-    draw(rows, os.path.join(args.out, "bench_front.png"))
-    backends = args.backends.split(",")
-    print("\n| tp | B | floor | " + " | ".join(f"{b} span / CUPTI / wall (kernels)" for b in
-                                              backends) + " | xla / auto span |")
-    print("| --- " * (4 + len(backends)) + "|")
-    for tp, batch in dict.fromkeys((r["tp"], r["batch"]) for r in rows):
-        mine = {r["backend"]: r for r in rows if (r["tp"], r["batch"]) == (tp, batch)}
-        cells = [f"{r['span_us'] or float('nan'):.1f} / {r['cupti_us']:.1f} / {r['wall_us']:.0f} "
-                 f"({r['kernels_per_layer']:.3g})" if (r := mine.get(b)) else "-" for b in backends]
-        ratio = (mine["xla"]["span_us"] / mine["auto"]["span_us"]
-                 if {"xla", "auto"} <= set(mine) and mine["auto"]["span_us"] else float("nan"))
-        floor = next(iter(mine.values()))["floor_us"]
-        print(f"| {tp} | {batch} | {floor:.1f} | " + " | ".join(cells) + f" | {ratio:.2f} |")
-    print("\nthe host a layer, one small output (us): dispatch / pipelined, beside the span:")
-    for r in rows:
-        print(f"  tp{r['tp']} B={r['batch']} {r['backend']}: {r['dispatch_us']:.1f} / "
-              f"{r['pipelined_us']:.1f} (span {r['span_us'] or float('nan'):.1f})")
-    print("\nwhere a layer's time goes (us a layer, each kernel's summed time; the span adds gaps):")
-    for r in rows:
-        spent = sorted(r["kernel_us"].items(), key=lambda kv: -kv[1])
-        print(f"  tp{r['tp']} B={r['batch']} {r['backend']}: " + ", ".join(
-            f"{name} {us:.1f}" for name, us in spent))
+    device = jax.devices()[0].device_kind
+    rows = [dict(r, device=device) for r in rows]
+    draw(rows, os.path.join(args.out, "bench_front.png"), device)
+    draw_breakdown(rows, os.path.join(args.out, "bench_front_breakdown.png"))
+    report(rows, args.backends.split(","))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -164,3 +165,25 @@ def test_engine_rows_get_a_line_and_columns_of_their_own(tmp_path):
     assert timed[-2:] == ["2.50", f"{xla / 2.5:.2f}"]
     untimed = next(line for line in lines if line.startswith("| front_gemm | 1 | 1 |"))
     assert untimed.endswith("| - | - |")
+
+
+BENCH_FRONT = SCRIPT.parent / "bench_front.py"
+
+
+def test_bench_front_replot_groups_kernels_by_kind(tmp_path):
+    """``bench_front.py --replot``: both figures, and a kernel kind's time a layer summed over the
+    names XLA numbers per layer (two sorts of 1.5 and 2.0 us a layer are one sort of 3.5)."""
+    row = dict(backend="xla", tp=8, batch=8, layers=2, kernels_per_layer=3, cupti_us=9.5,
+               span_us=10.0, wall_us=50.0, dispatch_us=20.0, pipelined_us=12.0, floor_us=4.0,
+               weight_bytes=1, kernel_us={"gemm_fusion_dot_3": 6.0, "sort_1_1": 1.5, "sort_7": 2.0})
+    data = write(tmp_path / "bench_front.json",
+                 {"device": "synthetic", "read_ceiling_tbs": 3.0, "layers": 2, "rows": [row],
+                  "failed": []})
+    proc = subprocess.run([sys.executable, str(BENCH_FRONT), "--replot", str(data), "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    for name in ("bench_front.png", "bench_front_breakdown.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "  tp8 B=8 xla: gemm_fusion_dot 6.0, sort 3.5" in proc.stdout.splitlines()
+    assert "| 8 | 8 | 4.0 | 10.0 / 9.5 / 50 (3) | nan |" in proc.stdout.splitlines()
