@@ -1,4 +1,5 @@
-"""Test set-up: 8 virtual CPU devices for the sharded tests, and the ``gpu`` marker's skip."""
+"""Test set-up: 8 virtual CPU devices for the sharded tests, the ``gpu`` marker's skip, and the
+``spy`` fixture that counts a kernel's calls."""
 
 import os
 
@@ -26,3 +27,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """``spy(name, *modules)`` replaces the function ``name`` in each of ``modules`` (a kernel
+    module, and the stage package that re-exports it) by one wrapper of the first module's, which
+    records each call's keyword arguments and then calls it; returns the list of records. Undone
+    after the test."""
+
+    def install(name, *modules):
+        calls = []
+        real = getattr(modules[0], name)
+
+        def wrapper(*args, **kwargs):
+            calls.append(kwargs)
+            return real(*args, **kwargs)
+
+        for module in modules:
+            monkeypatch.setattr(module, name, wrapper)
+        return calls
+
+    return install

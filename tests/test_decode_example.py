@@ -1,7 +1,6 @@
 """The README's main job: decode steps through mf.nn.MoEFront (``moe_front_jax.demo``, run by
 ``examples/decode.py``, ``make demo`` and the ``moe-front-demo`` console script)."""
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -11,15 +10,13 @@ import numpy as np
 
 import moe_front_jax as mf
 from moe_front_jax import demo
+import scripts
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "decode.py"
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("decode_example", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return scripts.load(SCRIPT, "decode_example")
 
 
 def test_decode_steps_print_a_progress_line_each_and_hold_the_invariants(capsys):

@@ -20,7 +20,10 @@ from moe_front_jax.params import padded_split
 from moe_front_jax.pallas.front_gemm import kernel as fg
 from moe_front_jax.pallas.gemm import schedule
 from moe_front_jax.reference import mailbox as layout
+from bitwise import plan_bytes
 from h200 import H200, lower_for_h200, triton_ir_for_h200
+from kimi_k3 import k3_weights
+from mailbox_cases import tickets_of
 import oracle
 
 K3 = mf.KIMI_K3
@@ -53,11 +56,6 @@ def exact_operands(batch, valid, split, shard, hidden, seed=0):
 
 def exact_product(x, w):
     return np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
-
-
-def plan_bytes(plan):
-    values, scales = plan
-    return np.asarray(values).view(np.uint8), np.asarray(scales).view(np.uint8)
 
 
 @functools.partial(jax.jit, static_argnames=("split", "valid", "plan", "config"))
@@ -155,18 +153,10 @@ def test_interpret_plan_of_non_finite_latent():
         np.testing.assert_array_equal(got, want)
 
 
-def test_moe_front_takes_the_plan_from_the_gemm_epilogue(monkeypatch):
-    calls = []
+def test_moe_front_takes_the_plan_from_the_gemm_epilogue(spy):
     # The function the registry names as the stage's kernel, wrapped where the registry loads it.
     module, name = registry.STAGES["front_gemm_plan"].kernel.split(":")
-    module = importlib.import_module(module)
-    real = getattr(module, name)
-
-    def spy(*args, **kwargs):
-        calls.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, spy)
+    calls = spy(name, importlib.import_module(module))
     registry.load.cache_clear()
     cfg = mf.FrontConfig(hidden=SMALL_HIDDEN, experts=128, top_k=16, latent=256, shared=0)
     params = mf.pack_params(mf.init_weights(jax.random.key(0), cfg, shared=False), cfg)
@@ -226,11 +216,6 @@ def publish_into(box, x, w, split, valid, **kwargs):
     buffer, control, tickets, status = fg.front_gemm_publish(
         x, w, split, valid, box.buffer, box.control, box.tickets, box.cfg, **kwargs)
     return dataclasses.replace(box, buffer=buffer, control=control, tickets=tickets), status
-
-
-def tickets_of(cfg):
-    """The mailbox's tile counters for ``cfg``: one per 16-row tile of its router and latent rows."""
-    return fg.ticket_count(cfg.experts_per_rank, cfg.latent_per_rank)
 
 
 def published_buffers(cfg, steps, publish):
@@ -648,17 +633,12 @@ def test_errors():
 # --- on the GPU --------------------------------------------------------------------------------------
 
 
-@functools.cache
-def k3_weights():
-    return mf.init_weights(jax.random.key(0), K3, shared=False)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [1, 8])
 def test_gpu_vector_schedule_matches_float64(tp):
     """The vector schedule at the batches it covers, to the same bounds as the tensor-core ones."""
     cfg = K3.with_tp(tp)
-    params = mf.pack_params(k3_weights(), cfg)
+    params = mf.pack_params(k3_weights(shared=False), cfg)
     valid, split = cfg.experts_per_rank, params.split
     config = Vec(4 if tp == 8 else 16, 512, 4)
     for batch in (1, 3, 8):
@@ -683,7 +663,7 @@ def test_gpu_matches_float64(tp, programs):
     tuned schedule (``programs=0``), or stream-K over 132 programs (runs as long as a whole tile)
     or 264."""
     cfg = K3.with_tp(tp)
-    params = mf.pack_params(k3_weights(), cfg)
+    params = mf.pack_params(k3_weights(shared=False), cfg)
     valid, split = cfg.experts_per_rank, params.split
     for batch in (1, 7, 64, 256):
         x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)

@@ -18,10 +18,12 @@ from moe_front_jax import reference
 from moe_front_jax.pallas.engine import kernel as ek
 from moe_front_jax.pallas.engine import layer as el
 from moe_front_jax.pallas.engine.kernel import EngineConfig
+from bitwise import bits, plan_bytes
+from engine_cases import (HIDDEN, K3, S_R, SMALL, SPLIT, VALID, assert_front_exact,
+                          close_to_float64, exact_front, exact_gate_up, exact_rows, k3_arrays,
+                          product, situ_of)
 from h200 import lower_for_h200
-from test_engine import (HIDDEN, K3, S_R, SMALL, SPLIT, VALID, assert_front_exact, bits,
-                         close_to_float64, exact_front, exact_gate_up, exact_rows, k3_arrays,
-                         k3_weights, plan_bytes, product, situ_of)
+from kimi_k3 import k3_weights
 
 # --- the queues ------------------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 Expected values come from the direct path (``moe_front`` without a mailbox, or the shards themselves)
 and from numpy views of the raw words, never from the mailbox code. Canonicalization (-0 becomes +0)
-is applied to the expected values by ``canonical_*`` below, in numpy.
+is applied to the expected values by ``mailbox_cases.canonical_*``, in numpy.
 """
 
 import dataclasses
@@ -19,90 +19,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import moe_front_jax as mf
 from moe_front_jax import mailbox as mb
 from moe_front_jax import reference
-from moe_front_jax.pallas.front_gemm import ticket_count
 from moe_front_jax.reference import mailbox as layout
+from bitwise import assert_bits_equal
 from conftest import has_gpu
-
-# Small configs: E and L/2 are not multiples of 4 words, so rows end in padding and chunks straddle
-# the latent/logits boundary. TP8 shards 8 ranks of 4 experts and 8 latent columns each.
-SMALL = mf.FrontConfig(hidden=64, experts=26, top_k=4, latent=34, shared=0, plan_block=2)
-TP2 = mf.FrontConfig(hidden=64, experts=26, top_k=4, latent=36, shared=0, tp=2, plan_block=2)
-TP8 = mf.FrontConfig(hidden=64, experts=32, top_k=4, latent=64, shared=0, tp=8)
-SENTINEL = 0x80000000
-
-
-def canonical_logits(logits):
-    bits = np.asarray(logits, np.float32).view(np.uint32)
-    return np.where(bits == SENTINEL, np.uint32(0), bits).view(np.float32)
-
-
-def canonical_latent(latent):
-    bits = np.asarray(latent).view(np.uint16)
-    return np.where(bits == 0x8000, np.uint16(0), bits).view(ml_dtypes.bfloat16)
-
-
-def assert_bits_equal(got, want):
-    got, want = np.atleast_1d(np.asarray(got)), np.atleast_1d(np.asarray(want))
-    assert got.dtype == want.dtype and got.shape == want.shape
-    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
-
-
-def expected_armed(cfg, generations, capacity):
-    """Armed words from the SPEC: (L + 2E) / 2 data words of 0x80000000, zeros to a multiple of 4."""
-    data = (cfg.latent + 2 * cfg.experts) // 2
-    words = -(-data // 4) * 4
-    rows = np.zeros((generations, capacity, words), np.uint32)
-    rows[..., :data] = SENTINEL
-    return rows
-
-
-def tickets_of(cfg):
-    """Tile counters of a mailbox for ``cfg``: the front GEMM publish's, over one rank's rows."""
-    return ticket_count(cfg.experts_per_rank, cfg.latent_per_rank)
-
-
-def assert_armed(box, steps):
-    """Armed, after ``steps`` publishes: step t used generation t mod G, so both control words hold
-    the last step's generation, ``G - 1`` for a new mailbox; every tile counter is zero."""
-    assert_bits_equal(box.buffer, expected_armed(box.cfg, box.generations, box.capacity))
-    last = (steps - 1) % box.generations
-    np.testing.assert_array_equal(np.asarray(box.control), [last, last])
-    np.testing.assert_array_equal(np.asarray(box.tickets), np.zeros(tickets_of(box.cfg)))
-
-
-def rows_of(cfg, batch, seed):
-    rng = np.random.default_rng(seed)
-    return jnp.asarray((rng.normal(size=(batch, cfg.hidden)) * 2).astype(ml_dtypes.bfloat16))
-
-
-def weights_of(cfg, seed):
-    """Weights under the SPEC's keys (no shared expert), made by numpy: no JAX op to compile."""
-    rng = np.random.default_rng(seed)
-
-    def normal(rows, cols):
-        return jnp.asarray((rng.normal(size=(rows, cols)) / np.sqrt(cols)).astype(ml_dtypes.bfloat16))
-
-    bias = rng.uniform(-0.05, 0.05, cfg.experts).astype(np.float32)
-    return {
-        "gate.weight": normal(cfg.experts, cfg.hidden),
-        "gate.e_score_correction_bias": jnp.asarray(bias),
-        "routed_down_weight": normal(cfg.latent, cfg.hidden),
-    }
-
-
-def shards_with_negative_zeros(cfg, batch, seed):
-    """Logits and latent shards whose rows are all -0, mixed -0 and tiny negatives, or random."""
-    rng = np.random.default_rng(seed)
-    logits = rng.normal(size=(batch, cfg.experts_per_rank)).astype(np.float32)
-    latent = rng.normal(size=(batch, cfg.latent_per_rank)).astype(ml_dtypes.bfloat16)
-    logits[0], latent[0] = -0.0, -0.0
-    if batch > 1:
-        # -0 beside the smallest negative subnormals, which share the sign bit but are not -0.
-        logits[1, 0::2] = -0.0
-        logits[1, 1::2] = np.array([0x80000001], np.uint32).view(np.float32)[0]
-        latent[1, 0::2] = -0.0
-        latent[1, 1::2] = np.array([0x8001], np.uint16).view(ml_dtypes.bfloat16)[0]
-    return jnp.asarray(logits), jnp.asarray(latent)
+from mailbox_cases import (SENTINEL, SMALL, TP2, TP8, assert_armed, assert_equals_direct,
+                           canonical_latent, canonical_logits, expected_armed, rows_of,
+                           shards_with_negative_zeros, tickets_of, weights_of)
 
 
 @pytest.fixture(scope="module")
@@ -181,19 +103,11 @@ def test_mailbox_output_equals_direct_over_steps(small_params, backend):
     step = jax.jit(mf.moe_front, static_argnames=("plan", "backend"), donate_argnames="mailbox")
     direct = jax.jit(mf.moe_front, static_argnames=("plan", "backend"))
     box = mf.Mailbox.create(SMALL, capacity=8)
-    plan_of = jax.jit(reference.mxfp8_plan, static_argnums=1)
     for t, batch in enumerate([3, 8, 3, 8]):
         x = rows_of(SMALL, batch, seed=t)
         want = direct(x, small_params, plan=True, backend=backend)
         got, box = step(x, small_params, plan=True, backend=backend, mailbox=box)
-        assert int(got.status) == 0
-        assert_bits_equal(got.ids, want.ids)
-        assert_bits_equal(got.weights, want.weights)
-        assert_bits_equal(got.logits, canonical_logits(want.logits))
-        assert_bits_equal(got.latent, canonical_latent(want.latent))
-        plan = plan_of(jnp.asarray(canonical_latent(want.latent)), SMALL.plan_block)
-        assert_bits_equal(got.plan[0], plan[0])
-        assert_bits_equal(got.plan[1], plan[1])
+        assert_equals_direct(got, want, SMALL.plan_block)
         assert_armed(box, t + 1)
 
 
@@ -233,11 +147,7 @@ def test_kimi_k3_through_the_mailbox_equals_direct():
     x = rows_of(cfg, 3, seed=3)
     want = jax.jit(mf.moe_front)(x, params)
     got, box = jax.jit(mf.moe_front, donate_argnames="mailbox")(x, params, mailbox=box)
-    assert int(got.status) == 0
-    for name in ("ids", "weights"):
-        assert_bits_equal(getattr(got, name), getattr(want, name))
-    assert_bits_equal(got.logits, canonical_logits(want.logits))
-    assert_bits_equal(got.latent, canonical_latent(want.latent))
+    assert_equals_direct(got, want)
     assert_armed(box, 1)
 
 
@@ -493,21 +403,13 @@ def test_gpu_mailbox_output_equals_direct_over_steps(k3_params, plan, backend):
     step = jax.jit(mf.moe_front, static_argnames=("plan", "backend"), donate_argnames="mailbox")
     direct = jax.jit(mf.moe_front, static_argnames=("plan", "backend"))
     box = mf.Mailbox.create(mf.KIMI_K3, capacity=256)
-    plan_of = jax.jit(reference.mxfp8_plan, static_argnums=1)
     for t, batch in enumerate([1, 8, 64, 256, 3, 2, 256]):
         x = rows_of(mf.KIMI_K3, batch, seed=t)
         want = direct(x, k3_params, plan=plan, backend=backend)
         got, box = step(x, k3_params, plan=plan, backend=backend, mailbox=box)
-        assert int(got.status) == 0
-        assert_bits_equal(got.ids, want.ids)
-        assert_bits_equal(got.weights, want.weights)
-        assert_bits_equal(got.logits, canonical_logits(want.logits))
-        assert_bits_equal(got.latent, canonical_latent(want.latent))
         assert (got.plan is None) == (not plan)
-        if plan:  # the plan the collect wrote, of the latent it returned
-            want_plan = plan_of(jnp.asarray(canonical_latent(want.latent)), mf.KIMI_K3.plan_block)
-            assert_bits_equal(got.plan[0], want_plan[0])
-            assert_bits_equal(got.plan[1], want_plan[1])
+        # With the plan, the plan the collect wrote, of the latent it returned.
+        assert_equals_direct(got, want, mf.KIMI_K3.plan_block if plan else None)
         assert_armed(box, t + 1)
 
 

@@ -15,7 +15,6 @@ share of the path's errors: at most ``2**-5`` of the output's RMS beyond the fin
 sigma of the 0.4%-of-RMS path error)."""
 
 import functools
-import importlib.util
 from pathlib import Path
 
 import jax
@@ -26,6 +25,7 @@ import pytest
 
 import moe_front_jax as mf
 import oracle
+import scripts
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "moe_layer.py"
 BF16 = ml_dtypes.bfloat16
@@ -34,10 +34,7 @@ SMALL = mf.FrontConfig(hidden=256, experts=64, top_k=8, latent=128, shared=256)
 
 @functools.cache
 def example():
-    spec = importlib.util.spec_from_file_location("moe_layer_example", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return scripts.load(SCRIPT, "moe_layer_example")
 
 
 def numpy_weights(cfg, intermediate, seed):

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 import moe_front_jax as mf
 from moe_front_jax import reference
 from moe_front_jax.params import BIAS, DOWN, GATE_UP
+from bitwise import traced_bits
 
 
 def gpu_count() -> int:
@@ -135,9 +136,6 @@ def test_per_rank_mailboxes_on_gpus_equal_the_all_gather_path(tp):
     buffers = jax.device_put(jnp.stack([one.buffer] * tp), NamedSharding(mesh, P("tp")))
     controls = jax.device_put(jnp.stack([one.control] * tp), NamedSharding(mesh, P("tp")))
 
-    def bits(a):
-        return jax.lax.bitcast_convert_type(a, jnp.uint16 if a.dtype.itemsize == 2 else jnp.uint32)
-
     @functools.partial(jax.jit, donate_argnums=(2, 3))
     @functools.partial(
         jax.shard_map, mesh=mesh, in_specs=(P(), specs, P("tp"), P("tp")), out_specs=P("tp"),
@@ -148,7 +146,8 @@ def test_per_rank_mailboxes_on_gpus_equal_the_all_gather_path(tp):
         got, box = mf.moe_front(x, local, axis_name="tp", mailbox=box)
         want = mf.moe_front(x, local, axis_name="tp")
         fields = ("ids", "weights", "latent", "logits")
-        same = jnp.stack([jnp.all(bits(getattr(got, f)) == bits(getattr(want, f))) for f in fields])
+        same = jnp.stack([jnp.all(traced_bits(getattr(got, f)) == traced_bits(getattr(want, f)))
+                          for f in fields])
         return same[None], got.status[None], box.buffer[None], box.control[None]
 
     for t, b in enumerate((1, 37, 64)):

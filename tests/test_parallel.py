@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import moe_front_jax as mf
+from bitwise import plan_bytes, traced_bits
 from h200 import H200
 import oracle
 from moe_front_jax import registry, parallel, reference
@@ -103,8 +104,7 @@ def assert_matches_unsharded(out, cfg, b=ROWS, plan=False):
     np.testing.assert_allclose(out.logits, expected["logits"], rtol=1e-6, atol=1e-6)
     assert (out.plan is not None) == plan
     if plan:
-        for got, want in zip(out.plan, expected["plan"]):
-            got, want = np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8)
+        for got, want in zip(plan_bytes(out.plan), plan_bytes(expected["plan"])):
             np.testing.assert_array_equal(got, want)
     if expected["shared"] is None:
         assert out.shared is None
@@ -460,13 +460,9 @@ def test_mailbox_inside_callers_shard_map_equals_the_all_gather_path(backend):
         box = mf.Mailbox(buffer[0], control[0], one.tickets, local.cfg)
         got, box = mf.moe_front(x, local, axis_name="tp", backend=backend, mailbox=box, plan=True)
         want = mf.moe_front(x, local, axis_name="tp", backend=backend, plan=True)
-        def bits(a):
-            unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize]
-            return jax.lax.bitcast_convert_type(a, unsigned)
-
         pairs = [(getattr(got, f), getattr(want, f)) for f in ("ids", "weights", "latent", "logits")]
         pairs += list(zip(got.plan, want.plan))
-        same = jnp.stack([jnp.all(bits(g) == bits(w)) for g, w in pairs])
+        same = jnp.stack([jnp.all(traced_bits(g) == traced_bits(w)) for g, w in pairs])
         return same[None], got.status[None], box.buffer[None], box.control[None]
 
     for t in range(3):

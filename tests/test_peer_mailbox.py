@@ -26,14 +26,14 @@ from jax.sharding import PartitionSpec as P
 import moe_front_jax as mf
 from moe_front_jax import mailbox as mb
 from moe_front_jax import reference
+from bitwise import assert_bits_equal
 from h200 import H200, lower_for_h200
-from test_mailbox import (
+from mailbox_cases import (
     SENTINEL,
     SMALL,
     TP2,
     TP8,
     assert_armed,
-    assert_bits_equal,
     canonical_latent,
     canonical_logits,
     expected_armed,

@@ -21,7 +21,9 @@ from moe_front_jax import registry, reference
 from moe_front_jax.reference import routing as reference_routing
 from moe_front_jax.api import Dispatch
 from moe_front_jax.pallas.route import kernel as rt
+from bitwise import assert_each_bits_equal
 from h200 import H200, lower_for_h200, triton_ir_for_h200
+from route_cases import adversarial_ids, assert_dispatch, rows_of_kind
 
 K3 = mf.KIMI_K3
 CONFIGS = {
@@ -35,61 +37,6 @@ BATCHES = (1, 3, 37, 256)
 
 
 # --- the properties, in numpy --------------------------------------------------------------------
-
-
-def assert_dispatch(ids, order, group_sizes, inverse, experts):
-    """SPEC section 4.1 from the ids alone, in numpy: ``order`` a permutation of the B*K slots,
-    experts non-decreasing along it, tokens increasing within an expert, ``group_sizes`` the
-    histogram, ``inverse`` the inverse permutation both ways."""
-    ids = np.asarray(ids)
-    order, group_sizes, inverse = map(np.asarray, (order, group_sizes, inverse))
-    batch, k = ids.shape
-    n = batch * k
-    for name, a, shape in (("order", order, (n,)), ("group_sizes", group_sizes, (experts,)),
-                           ("inverse", inverse, (n,))):
-        assert a.dtype == np.int32 and a.shape == shape, (name, a.dtype, a.shape)
-    np.testing.assert_array_equal(np.sort(order), np.arange(n))
-    flat = ids.ravel()
-    along = flat[order]
-    assert (np.diff(along) >= 0).all()
-    tokens = order // k
-    same = along[1:] == along[:-1]
-    assert (np.diff(tokens)[same] > 0).all()
-    np.testing.assert_array_equal(group_sizes, np.bincount(flat, minlength=experts))
-    assert group_sizes.sum() == n
-    np.testing.assert_array_equal(order[inverse], np.arange(n))
-    np.testing.assert_array_equal(inverse[order], np.arange(n))
-    # Expert e's slots sit at [start_e, start_e + group_sizes[e]).
-    starts = np.concatenate([[0], np.cumsum(group_sizes)[:-1]])
-    np.testing.assert_array_equal(along, np.repeat(np.arange(experts), group_sizes))
-    np.testing.assert_array_equal(inverse[order[starts[group_sizes > 0]]],
-                                  starts[group_sizes > 0])
-
-
-def assert_bits_equal(got, want):
-    for g, w in zip(got, want, strict=True):
-        g, w = np.asarray(g), np.asarray(w)
-        assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, g.shape, w.dtype, w.shape)
-        np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
-
-
-def rows_of(kind, rng, batch, experts):
-    """Logits and bias of one kind: random normals; ties (a few values, many bit-equal keys; equal
-    rows); NaN rows (all NaN, and NaN sprinkled); every row the same (all tokens on the same
-    experts)."""
-    bias = rng.uniform(-0.05, 0.05, experts).astype(np.float32)
-    logits = rng.normal(0, 2, (batch, experts)).astype(np.float32)
-    if kind == "ties":
-        few = np.array([0.0, -0.0, 1.0, 2.5, -1.0], np.float32)
-        logits = few[rng.integers(0, len(few), (batch, experts))]
-        logits[::3] = logits[0]  # whole rows equal
-        bias = np.zeros(experts, np.float32)
-    elif kind == "nan":
-        logits[::2] = np.nan
-        logits[1::2][rng.random(logits[1::2].shape) < 0.3] = np.nan
-    elif kind == "same":
-        logits[:] = logits[0]
-    return jnp.asarray(logits), jnp.asarray(bias)
 
 
 reference_route = jax.jit(reference.route, static_argnums=2, static_argnames="permute")
@@ -122,12 +69,12 @@ def test_properties_and_interpret_equal_the_reference(name, kind):
     cfg = CONFIGS[name]
     rng = np.random.default_rng(hash((name, kind)) % 2**32)
     for batch in BATCHES:
-        logits, bias = rows_of(kind, rng, batch, cfg.experts)
+        logits, bias = rows_of_kind(kind, rng, batch, cfg.experts)
         want = reference_route(logits, bias, cfg, permute=True)
         assert_dispatch(want[0], *want[2:], cfg.experts)
         got = interpret_route(logits, bias, cfg=cfg, config=interpret_config(batch, cfg))
-        assert_bits_equal(got, want)
-        assert_bits_equal(interpret_permutation(want[0], cfg=cfg), want[2:])
+        assert_each_bits_equal(got, want)
+        assert_each_bits_equal(interpret_permutation(want[0], cfg=cfg), want[2:])
 
 
 @pytest.mark.parametrize("block_rows", [1, 2, 4, 8, 64])
@@ -135,26 +82,11 @@ def test_blocks_of_rows_and_both_selections(block_rows):
     """Several rows a program (their marks one row at a time in interpret mode; two rows of one
     32-token word choosing the same expert), a ragged last block, both selections."""
     cfg = K3
-    logits, bias = rows_of("ties", np.random.default_rng(block_rows), 37, cfg.experts)
+    logits, bias = rows_of_kind("ties", np.random.default_rng(block_rows), 37, cfg.experts)
     want = reference_route(logits, bias, cfg, permute=True)
     for select in rt.SELECTS:
         got = interpret_route(logits, bias, cfg=cfg, config=rt.RouteConfig(block_rows, 4, select))
-        assert_bits_equal(got, want)
-
-
-def adversarial_ids(rng, batch, cfg):
-    """Ids as routing could write them (each row ``K`` distinct experts), drawn to stress the
-    bitmap: every row the same experts (one group of B), the highest experts, random experts, and
-    rows clustered on a few experts; 32 * W rows fill every bit of every word."""
-    e, k = cfg.experts, cfg.top_k
-    kinds = rng.integers(0, 4, batch)
-    ids = np.stack([rng.permutation(e)[:k] for _ in range(batch)])
-    ids[kinds == 0] = np.arange(k)
-    ids[kinds == 1] = np.arange(e - k, e)[::-1]
-    few = rng.permutation(e)[:2 * k]
-    for r in np.flatnonzero(kinds == 2):
-        ids[r] = rng.permutation(few)[:k]
-    return jnp.asarray(ids.astype(np.int32))
+        assert_each_bits_equal(got, want)
 
 
 @pytest.mark.parametrize("name", ["k3", "e100_top6", "e1024_top32"])
@@ -165,7 +97,7 @@ def test_standalone_kernel_on_adversarial_ids(name):
         ids = adversarial_ids(rng, batch, cfg)
         want = reference_permutation(ids, cfg)
         assert_dispatch(ids, *want, cfg.experts)
-        assert_bits_equal(interpret_permutation(ids, cfg=cfg), want)
+        assert_each_bits_equal(interpret_permutation(ids, cfg=cfg), want)
 
 
 def test_largest_covered_batch_and_past_it():
@@ -173,7 +105,7 @@ def test_largest_covered_batch_and_past_it():
     ids = adversarial_ids(np.random.default_rng(8), rt.MAX_PERMUTE_ROWS, cfg)
     want = reference_permutation(ids, cfg)
     assert_dispatch(ids, *want, cfg.experts)
-    assert_bits_equal(interpret_permutation(ids, cfg=cfg), want)
+    assert_each_bits_equal(interpret_permutation(ids, cfg=cfg), want)
     past = jnp.zeros((rt.MAX_PERMUTE_ROWS + 1, cfg.top_k), jnp.int32)
     with pytest.raises(NotImplementedError, match="dispatch order of up to 1024 rows"):
         rt.permutation(past, cfg)
@@ -207,12 +139,12 @@ def test_route_and_moe_front_return_a_dispatch():
         out = front(x, params, permute=True, backend=backend)
         assert isinstance(out.dispatch, Dispatch)
         assert_dispatch(out.ids, *out.dispatch, cfg.experts)
-        assert_bits_equal(out.dispatch, reference_permutation(out.ids, cfg))
+        assert_each_bits_equal(out.dispatch, reference_permutation(out.ids, cfg))
         ids, weights, routed = jax.jit(
             functools.partial(mf.route, cfg=cfg, backend=backend, permute=True)
         )(out.logits, params.bias)
         assert isinstance(routed, Dispatch)
-        assert_bits_equal((ids, weights, *routed), (out.ids, out.weights, *out.dispatch))
+        assert_each_bits_equal((ids, weights, *routed), (out.ids, out.weights, *out.dispatch))
     assert len(mf.route(out.logits, params.bias, cfg)) == 2
     with pytest.raises(ValueError, match="permute must be a bool, got str"):
         mf.moe_front(x, params, permute="yes")
@@ -344,7 +276,7 @@ def test_mailbox_path_gives_the_direct_dispatch(backend, plan):
         want = direct(x, params)
         got, box = step(x, params, mailbox=box)
         assert int(got.status) == 0
-        assert_bits_equal((got.ids, *got.dispatch), (want.ids, *want.dispatch))
+        assert_each_bits_equal((got.ids, *got.dispatch), (want.ids, *want.dispatch))
         assert_dispatch(got.ids, *got.dispatch, SMALL.experts)
 
 
@@ -358,7 +290,7 @@ def test_exchange_route_returns_the_dispatch_before_the_mailbox():
     *out, dispatched, box = mb.exchange_route(box, logits, latent, params.bias, backend="xla",
                                               permute=True)
     assert isinstance(box, mf.Mailbox) and len(out) == 6
-    assert_bits_equal(dispatched, reference_permutation(out[0], SMALL))
+    assert_each_bits_equal(dispatched, reference_permutation(out[0], SMALL))
     *out, dispatched, box = mb.exchange_route(box, logits, latent, params.bias, backend="xla")
     assert dispatched is None
 
@@ -374,7 +306,7 @@ def test_sharded_path_gives_the_direct_dispatch(tp, backend):
     params = mf.shard_params(weights_of(SHARDED), SHARDED, mesh)
     got = jax.jit(functools.partial(mf.moe_front, permute=True, backend=backend))(
         rows(SHARDED, 6), params)
-    assert_bits_equal((got.ids, *got.dispatch), (want.ids, *want.dispatch))
+    assert_each_bits_equal((got.ids, *got.dispatch), (want.ids, *want.dispatch))
 
 
 def test_inside_callers_shard_map_every_rank_has_the_same_dispatch():
@@ -439,8 +371,8 @@ def test_data_parallel_mesh_gives_the_global_dispatch(shape, names, backend):
         x, mf.pack_params(weights_of(SHARDED), SHARDED))
     k, e = SHARDED.top_k, SHARDED.experts
     assert got.dispatch.order.shape == (8 * k,) and got.dispatch.group_sizes.shape == (e,)
-    assert_bits_equal((got.ids, *got.dispatch), (want.ids, *want.dispatch))
-    assert_bits_equal(got.dispatch, reference_permutation(want.ids, SHARDED))
+    assert_each_bits_equal((got.ids, *got.dispatch), (want.ids, *want.dispatch))
+    assert_each_bits_equal(got.dispatch, reference_permutation(want.ids, SHARDED))
     order, inverse = np.asarray(got.dispatch.order), np.asarray(got.dispatch.inverse)
     np.testing.assert_array_equal(order[inverse], np.arange(8 * k))
 
@@ -481,15 +413,15 @@ def test_gpu_bit_equal_to_the_reference(select):
     for batch in (1, 3, 37, 64, 256):
         for draw in range(20):
             kind = ("random", "ties", "nan", "same")[draw % 4]
-            logits, bias = rows_of(kind, rng, batch, cfg.experts)
+            logits, bias = rows_of_kind(kind, rng, batch, cfg.experts)
             for kernel in kernels.values():
                 ids, _, *got = kernel(logits, bias)
-                assert_bits_equal(got, permutation(ids, cfg))
+                assert_each_bits_equal(got, permutation(ids, cfg))
                 assert_dispatch(ids, *got, cfg.experts)
     for batch in (1, 31, 33, 256, rt.MAX_PERMUTE_ROWS):
         for _ in range(5):
             ids = adversarial_ids(rng, batch, cfg)
-            assert_bits_equal(standalone(ids), permutation(ids, cfg))
+            assert_each_bits_equal(standalone(ids), permutation(ids, cfg))
 
 
 @pytest.mark.gpu
@@ -509,7 +441,7 @@ def test_gpu_front_paths_give_the_reference_dispatch():
             if out is None:
                 out, box = step(x, params, mailbox=box)
                 assert int(out.status) == 0
-            assert_bits_equal(out.dispatch, reference_permutation(out.ids, cfg))
+            assert_each_bits_equal(out.dispatch, reference_permutation(out.ids, cfg))
 
 
 def test_dispatch_is_exported_from_the_api():

@@ -1,6 +1,5 @@
 """benchmarks/plot.py on small synthetic results (CPU, matplotlib Agg): it writes a PNG and a table."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,14 +9,13 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+import scripts
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "plot.py"
 
 
 def plot_module():
-    spec = importlib.util.spec_from_file_location("bench_plot", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return scripts.load(SCRIPT, "bench_plot")
 
 
 def results(stage="front_gemm", tps=(1, 8), batches=(1, 8, 64), floor=4650.0):

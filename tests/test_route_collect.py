@@ -19,19 +19,21 @@ from moe_front_jax import reference
 from moe_front_jax.pallas.plan import kernel as pallas_plan
 from moe_front_jax.pallas.route import kernel as rt
 from moe_front_jax.pallas.route_collect import kernel as rc
+from bitwise import assert_bits_equal
 from h200 import lower_for_h200
-import oracle
-from test_mailbox import (
+from mailbox_cases import (
     SENTINEL,
     SMALL,
     assert_armed,
-    assert_bits_equal,
+    assert_equals_direct,
     canonical_latent,
     canonical_logits,
     rows_of,
     shards_with_negative_zeros,
     weights_of,
 )
+import oracle
+from plan_cases import edge_latent
 
 WIDE = mf.FrontConfig(hidden=64, experts=1024, top_k=32, latent=40, shared=0, plan_block=2)
 
@@ -105,8 +107,6 @@ def test_edge_values_through_the_collect_and_its_plan(select):
     infinities, saturation at byte 254, +-448, the amax = 448 boundary, E4M3 ties and subnormals)
     bit-equal to the reference plan and to each block's hand-derived scale byte; rows of NaN,
     infinite and tied logits routed as the reference routes them, to top_k distinct ids."""
-    from test_plan_kernel import edge_latent
-
     edges, want_bytes = edge_latent(EDGE.latent)
     batch = 4
     rng = np.random.default_rng(7)
@@ -173,16 +173,7 @@ def test_moe_front_through_the_mailbox_runs_the_kernel_and_equals_direct():
         x = rows_of(SMALL, batch, seed=t)
         want = direct(x, params, plan=True, backend="interpret")
         got, box = step(x, params, plan=True, backend="interpret", mailbox=box)
-        assert int(got.status) == 0
-        assert_bits_equal(got.ids, want.ids)
-        assert_bits_equal(got.weights, want.weights)
-        assert_bits_equal(got.logits, canonical_logits(want.logits))
-        assert_bits_equal(got.latent, canonical_latent(want.latent))
-        plan = jax.jit(reference.mxfp8_plan, static_argnums=1)(
-            jnp.asarray(canonical_latent(want.latent)), SMALL.plan_block
-        )
-        assert_bits_equal(got.plan[0], plan[0])
-        assert_bits_equal(got.plan[1], plan[1])
+        assert_equals_direct(got, want, SMALL.plan_block)
         assert_armed(box, t + 1)
 
 

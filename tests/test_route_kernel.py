@@ -18,6 +18,8 @@ from moe_front_jax.reference import mailbox as reference_mailbox
 from moe_front_jax.pallas.route import kernel as rt
 from moe_front_jax.pallas.route_collect import kernel as rc
 from h200 import lower_for_h200
+from route_cases import (ROUNDING_ROW, adversarial_rows, assert_argument_errors, assert_edge_ids,
+                         assert_valid, compare_with_xla_on_gpu, oracle_clear_rows)
 import oracle
 
 K3 = mf.KIMI_K3
@@ -75,21 +77,6 @@ def check(logits, bias, cfg=K3, config=None, select=None):
     assert oracle.bf16_ulp_distance(weights[same], want_weights[same]).max(initial=0) <= 1
     assert_valid(ids, weights, cfg.experts)
     return ids, weights
-
-
-def oracle_clear_rows(logits, bias, k, ulps=4):
-    """Rows whose oracle keys, sorted, have no two of the top k + 1 within ``ulps`` (bit-equal keys
-    are ties, which every implementation breaks by id)."""
-    s = oracle.sigmoid32(np.asarray(logits))
-    keys = oracle.ordered((s + np.asarray(bias, np.float32)).astype(np.float32)).astype(np.int64)
-    top = -np.sort(-keys, axis=1)[:, :k + 1]
-    gaps = top[:, :-1] - top[:, 1:]
-    return ~((gaps > 0) & (gaps <= ulps)).any(axis=1)
-
-
-def assert_valid(ids, weights, experts):
-    oracle.assert_valid_ids(ids, experts)
-    assert not np.isnan(np.asarray(weights, np.float32)).any()
 
 
 @pytest.fixture(params=rt.SELECTS)
@@ -249,15 +236,6 @@ def test_random_rows(name, batch, select):
 
 # --- correctly rounded weights in interpret mode -----------------------------------------------------
 
-# A row whose first weight, 0.9977603 / 15.902046 = 0.0627441406..., lies within a float32 ulp of the
-# bf16 midpoint between 0.0625 and 0.06298828125: multiplying by the reciprocal of the sum, or summing
-# the 16 sigmoids in another order than the tree, rounds it to 0.0625.
-ROUNDING_ROW = [
-    6.09917688369751, 5.819621562957764, 5.649019241333008, 5.522195816040039, 5.414166927337646,
-    5.230618476867676, 5.156827926635742, 5.138970375061035, 5.071669578552246, 4.932782173156738,
-    4.913704872131348, 4.859700679779053, 4.756407737731934, 4.727040767669678, 4.70028829574585,
-    4.671489238739014,
-]
 E16 = mf.FrontConfig(hidden=1, experts=16, top_k=16, latent=1, shared=0, plan_block=1)
 E16_MAILBOX = dataclasses.replace(E16, latent=2)  # the mailbox packs latent columns in pairs
 
@@ -315,23 +293,6 @@ def test_weights_equal_the_reference_on_many_rows(name, rows, block_rows):
     want_ids, want_weights = reference_route(logits, bias, cfg)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
     assert_weight_bits(weights, want_weights)
-
-
-def adversarial_rows(rng, rows, experts):
-    """Rows drawn to make ties and specials likely: logits from a few values (many bit-equal keys),
-    NaN, +-inf, +-0.0, and normals; biases from a few values, NaN, +-inf and -0.0 too."""
-    kinds = rng.integers(0, 4, rows)
-    few = np.array([0.0, -0.0, 1.0, -1.0, 2.5, np.inf, -np.inf, np.nan], np.float32)
-    logits = rng.normal(0, 3, (rows, experts)).astype(np.float32)
-    pick = few[rng.integers(0, len(few), (rows, experts))]
-    coarse = kinds[:, None] == 1  # rows made of a few values only
-    sprinkle = (kinds[:, None] == 2) & (rng.random((rows, experts)) < 0.1)  # normals with specials
-    logits = np.where(coarse | sprinkle, pick, logits)
-    logits[kinds == 3] = np.round(logits[kinds == 3])  # integers: many bit-equal keys
-    bias = rng.choice(np.array([0.0, -0.0, 0.01, -0.01, -2.0], np.float32), experts)
-    specials = rng.random(experts) < 0.02
-    bias[specials] = rng.choice(np.array([np.nan, np.inf, -np.inf], np.float32), specials.sum())
-    return logits, bias
 
 
 @pytest.mark.parametrize("name", ["k3", "e1024_top32", "e100_top6_plain"])
@@ -486,18 +447,6 @@ def test_schedule_table_from_tuning_data(kind):
         assert rt.pick_config(1, 256, 8) == rt.heuristic_config(1, 256, 8)
 
 
-def assert_argument_errors(route):
-    """The ``ValueError``s of a routing kernel's ``route(logits, bias, cfg)`` for wrong logits, an
-    empty batch and a wrong bias."""
-    bias = jnp.zeros((K3.experts,), jnp.float32)
-    with pytest.raises(ValueError, match=r"logits must be \[B, experts=896\] float32"):
-        route(jnp.zeros((2, 64), jnp.float32), bias, K3)
-    with pytest.raises(ValueError, match="logits is an empty batch"):
-        route(jnp.zeros((0, 896), jnp.float32), bias, K3)
-    with pytest.raises(ValueError, match=r"bias must be \(896,\) float32"):
-        route(jnp.zeros((2, 896), jnp.float32), bias[:5], K3)
-
-
 def test_heuristic_and_config_errors():
     assert rt.heuristic_config(1, 896, 16) == rt.RouteConfig(1, 4, "groups")
     assert rt.heuristic_config(1, 100, 6) == rt.RouteConfig(1, 1, "groups")
@@ -524,79 +473,6 @@ def test_heuristic_and_config_errors():
 
 
 # --- on the GPU --------------------------------------------------------------------------------------
-
-GPU_ROWS = 100_000
-CLEAR_ULPS = 8
-
-
-def edge_rows(experts):
-    """The edge cases above as rows of one batch (bias zero): ties, NaN, infinities, zeros."""
-    rows = np.zeros((8, experts), np.float32)
-    rows[0] = 0.3
-    rows[0, ::7] = 0.9
-    rows[1, 1::2] = -0.0
-    rows[2] = np.nan
-    rows[3, :100] = np.nan
-    rows[3, 100:] = np.random.default_rng(0).normal(0, 1, experts - 100)
-    rows[4, [300, 7]] = np.inf
-    rows[4, 1:3] = -np.inf
-    rows[5] = -np.inf
-    rows[6, 880:] = 5.0
-    rows[7] = np.nan
-    rows[7, [500, 40, 890, 7, 300]] = [3.0, 2.0, 1.0, 0.0, -1.0]
-    return rows
-
-
-def compare_with_xla_on_gpu(kernel, cfg, on_batch=None):
-    """``kernel(logits, bias)`` (its first two outputs ids and weights) on ``GPU_ROWS`` random rows
-    and the edge rows, against the XLA reference on the same device: ids equal wherever the
-    reference's sorted keys down to rank ``K + 1`` are more than ``CLEAR_ULPS`` apart (the chosen set
-    wherever ranks ``K`` and ``K + 1`` are), weights within one bf16 ulp where the ids agree, never a
-    NaN weight or a repeated id; ``on_batch(outputs)`` on each batch's outputs. Bit-equal keys count
-    as near ties in random rows (the kernel's sigmoid and XLA's differ in the last bits); genuine
-    ties are the edge rows. Returns the edge rows' ids."""
-    k = cfg.top_k
-    rng = np.random.default_rng(11)
-    bias = rng.uniform(-0.05, 0.05, cfg.experts).astype(np.float32)
-    random_rows = rng.normal(0, 2, (GPU_ROWS, cfg.experts)).astype(np.float32)
-    xla = jax.jit(lambda l, b: reference.route(l, b, cfg))
-    keys_of = jax.jit(lambda l, b: reference.ordered_key(jax.nn.sigmoid(l) + b))
-    edges = jnp.asarray(edge_rows(cfg.experts))
-    zero = jnp.zeros(cfg.experts, jnp.float32)
-    checked = 0
-    for logits, row_bias, ties in [(edges, zero, True)] + [
-        (jnp.asarray(random_rows[i:i + 256]), jnp.asarray(bias), False)
-        for i in range(0, GPU_ROWS, 256)
-    ]:
-        outputs = kernel(logits, row_bias)
-        if on_batch is not None:
-            on_batch(outputs)
-        ids, weights = map(np.asarray, outputs[:2])
-        ref_ids, ref_weights = map(np.asarray, xla(logits, row_bias))
-        assert_valid(ids, weights, cfg.experts)
-        keys = np.sort(np.asarray(keys_of(logits, row_bias)).astype(np.int64), axis=1)[:, ::-1]
-        gaps = keys[:, :k] - keys[:, 1:k + 1]  # gaps between ranks r and r + 1, r < k
-        near = (gaps <= CLEAR_ULPS) & ((gaps > 0) | (not ties))
-        clear = ~near.any(axis=1)
-        np.testing.assert_array_equal(ids[clear], ref_ids[clear])
-        cut_clear = ~near[:, k - 1]
-        np.testing.assert_array_equal(np.sort(ids[cut_clear], 1), np.sort(ref_ids[cut_clear], 1))
-        same = (ids == ref_ids).all(axis=1)
-        assert oracle.bf16_ulp_distance(weights[same], ref_weights[same]).max(initial=0) <= 1
-        checked += 0 if ties else int(clear.sum())
-    assert checked >= 0.99 * GPU_ROWS, checked
-    return np.asarray(kernel(edges, zero)[0])
-
-
-def assert_edge_ids(edge_ids):
-    """The edge rows' ids: ties to the lower id, NaN lowest, infinities."""
-    np.testing.assert_array_equal(edge_ids[0], np.arange(16) * 7)
-    np.testing.assert_array_equal(edge_ids[1], np.arange(16))
-    np.testing.assert_array_equal(edge_ids[2], np.arange(16))
-    np.testing.assert_array_equal(edge_ids[4, :3], [7, 300, 0])
-    np.testing.assert_array_equal(edge_ids[5], np.arange(16))
-    np.testing.assert_array_equal(edge_ids[6], np.arange(880, 896))
-    np.testing.assert_array_equal(edge_ids[7], [500, 40, 890, 7, 300, 0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11])
 
 
 @pytest.mark.gpu

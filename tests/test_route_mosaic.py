@@ -24,11 +24,12 @@ from moe_front_jax import reference
 from moe_front_jax.reference import routing as reference_routing
 from moe_front_jax.pallas.route import kernel as rk
 from moe_front_jax.pallas.route import mosaic as mr
+from bitwise import assert_each_bits_equal
 from h200 import lower_for_h200
-from test_permute import adversarial_ids, assert_bits_equal, assert_dispatch, rows_of
-from test_route_kernel import (
-    CLEAR_ULPS, ROUNDING_ROW, adversarial_rows, assert_argument_errors, assert_edge_ids, assert_valid,
-    compare_with_xla_on_gpu, edge_rows, oracle_clear_rows)
+from route_cases import (
+    CLEAR_ULPS, ROUNDING_ROW, adversarial_ids, adversarial_rows, assert_argument_errors,
+    assert_dispatch, assert_edge_ids, assert_valid, compare_with_xla_on_gpu, edge_rows,
+    oracle_clear_rows, rows_of_kind)
 import oracle
 
 K3 = mf.KIMI_K3
@@ -115,7 +116,7 @@ def check(logits, bias, cfg=K3, permute=False, config=None):
     bias = jnp.asarray(bias, jnp.float32)
     got = interpret(logits, bias, cfg=cfg, permute=permute, config=config)
     want = reference_route(logits, bias, cfg, permute=permute)
-    assert_bits_equal(got, want)
+    assert_each_bits_equal(got, want)
     ids, weights = np.asarray(got[0]), np.asarray(got[1])
     assert_valid(ids, weights, cfg.experts)
     if permute:
@@ -269,7 +270,7 @@ def test_dispatch_after_routing(kind):
     slots overlaps the one before) and 37: ids, weights and the three outputs bit-equal."""
     rng = np.random.default_rng(len(kind))
     for batch in (1, 3, 4, 5, 37):
-        logits, bias = rows_of(kind, rng, batch, K3.experts)
+        logits, bias = rows_of_kind(kind, rng, batch, K3.experts)
         check(logits, bias, permute=True)
 
 
@@ -284,7 +285,7 @@ def test_dispatch_from_given_ids(name):
         ids = adversarial_ids(rng, batch, cfg)
         want = reference_routing.permutation(ids, cfg)
         assert_dispatch(ids, *want, cfg.experts)
-        assert_bits_equal(interpret_permutation(ids, cfg=cfg), want)
+        assert_each_bits_equal(interpret_permutation(ids, cfg=cfg), want)
 
 
 # --- the routing families (SPEC 4.2, 4.3) -------------------------------------------------------------
@@ -563,7 +564,7 @@ def test_gpu_matches_xla_reference():
     dispatch = jax.jit(lambda ids: reference_routing.permutation(ids, K3))
 
     def same_dispatch(outputs):
-        assert_bits_equal(outputs[2:], dispatch(outputs[0]))
+        assert_each_bits_equal(outputs[2:], dispatch(outputs[0]))
 
     kernel = jax.jit(lambda l, b: mr.route(l, b, K3, permute=True))
     assert_edge_ids(compare_with_xla_on_gpu(kernel, K3, same_dispatch))
@@ -574,7 +575,7 @@ def test_gpu_matches_xla_reference():
 def test_gpu_dispatch_bit_equal_from_given_ids(batch):
     """``permutation`` on the GPU on adversarial ids, bit-equal to the reference."""
     ids = adversarial_ids(np.random.default_rng(batch), batch, K3)
-    assert_bits_equal(jax.jit(lambda i: mr.permutation(i, K3))(ids),
+    assert_each_bits_equal(jax.jit(lambda i: mr.permutation(i, K3))(ids),
                       reference_routing.permutation(ids, K3))
 
 
@@ -644,7 +645,7 @@ def test_gpu_family_matches_xla_reference(name):
         ids, weights = map(np.asarray, got[:2])
         ref_ids, ref_weights = map(np.asarray, xla(logits, row_bias))
         assert_valid(ids, weights, cfg.experts)
-        assert_bits_equal(got[2:], dispatch(got[0]))
+        assert_each_bits_equal(got[2:], dispatch(got[0]))
         clear = ~near_tie_rows(logits, row_bias, cfg) if random_rows else np.ones(len(ids), bool)
         np.testing.assert_array_equal(ids[clear], ref_ids[clear])
         same = (ids == ref_ids).all(axis=1)
@@ -669,7 +670,7 @@ def test_gpu_schedules_bit_equal_to_the_default(config):
                                  (rng.normal(0, 2, (batch, cfg.experts)).astype(np.float32),
                                   rng.uniform(-0.05, 0.05, cfg.experts).astype(np.float32))):
                 logits, bias = jnp.asarray(logits), jnp.asarray(bias)
-                assert_bits_equal(scheduled(logits, bias), default(logits, bias))
+                assert_each_bits_equal(scheduled(logits, bias), default(logits, bias))
 
 
 @pytest.mark.gpu

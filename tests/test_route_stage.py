@@ -18,8 +18,8 @@ from moe_front_jax import registry
 from moe_front_jax.pallas.route import kernel as rk
 from moe_front_jax.pallas.route import mosaic as mr
 from moe_front_jax.pallas.route import stage
+from bitwise import assert_each_bits_equal
 from h200 import lower_for_h200
-from test_permute import assert_bits_equal
 
 PRESETS = mf.configs.PRESETS
 MOSAIC, TRITON = "mosaic_route", "triton_route"
@@ -133,7 +133,7 @@ def test_interpret_route_equals_xla(name):
     choice = registry.choose("route", "interpret", *shapes(3, cfg), cfg)
     assert choice.kernel and choice.schedule.startswith(MOSAIC)
     route = jax.jit(mf.route, static_argnames=("cfg", "backend"))
-    assert_bits_equal(route(logits, bias, cfg=cfg, backend="interpret"),
+    assert_each_bits_equal(route(logits, bias, cfg=cfg, backend="interpret"),
                       route(logits, bias, cfg=cfg, backend="xla"))
 
 
@@ -152,4 +152,4 @@ def test_gpu_stage_returns_the_named_kernels_bits(name, permute, implementation,
     direct = mr.route if implementation == MOSAIC else rk.route
     got = jax.jit(lambda l, b: mf.route(l, b, cfg, backend="pallas", permute=permute))(logits, bias)
     want = jax.jit(lambda l, b: direct(l, b, cfg, permute=permute))(logits, bias)
-    assert_bits_equal(tuple(jax.tree.leaves(got)), tuple(jax.tree.leaves(want)))
+    assert_each_bits_equal(tuple(jax.tree.leaves(got)), tuple(jax.tree.leaves(want)))

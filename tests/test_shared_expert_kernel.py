@@ -22,6 +22,7 @@ from moe_front_jax.pallas.gemm import mosaic, schedule
 from moe_front_jax.pallas.gemm.schedule import GridConfig as Grid
 from moe_front_jax.pallas.gemm.schedule import VectorConfig as Vec
 from h200 import H200, lower_for_h200
+from kimi_k3 import k3_weights
 import oracle
 
 K3 = mf.KIMI_K3
@@ -131,18 +132,10 @@ def route_any(logits, bias, cfg, *, interpret):
     return reference.route(logits, bias, cfg)
 
 
-def test_moe_front_runs_the_kernel_under_interpret(monkeypatch):
+def test_moe_front_runs_the_kernel_under_interpret(monkeypatch, spy):
     """moe_front with shared-expert weights, past the merged front's 64 rows, calls the Pallas
     shared expert (interpret), once."""
-    calls = []
-    real = se.shared_expert
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(se, "shared_expert", spy)
-    monkeypatch.setattr(shared_stage, "shared_expert", spy)
+    calls = spy("shared_expert", se, shared_stage)
     monkeypatch.setitem(registry.STAGES, "route", dataclasses.replace(
         registry.STAGES["route"], kernel="test_shared_expert_kernel:route_any"))
     registry.load.cache_clear()
@@ -548,11 +541,6 @@ def test_errors():
 
 
 # --- on the GPU --------------------------------------------------------------------------------------
-
-
-@functools.cache
-def k3_weights():
-    return mf.init_weights(jax.random.key(0), K3)
 
 
 @pytest.mark.gpu
