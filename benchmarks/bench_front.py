@@ -204,13 +204,21 @@ def check(tp: int, batch: int) -> None:
     print(f"check tp={tp} B={batch}: auto and the kernels match xla")
 
 
-def draw(rows: list[dict], path: str, device: str) -> None:
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or None (said) where matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib missing: no figure")
+        return None
+    return plt
+
+
+def draw(rows: list[dict], path: str, device: str) -> None:
+    plt = pyplot()
+    if plt is None:
         return
     tps = sorted({r["tp"] for r in rows})
     fig, axes = plt.subplots(1, len(tps), figsize=(4.5 * len(tps), 3.8), squeeze=False)
@@ -247,12 +255,8 @@ def draw_breakdown(rows: list[dict], path: str, most: int = 16) -> None:
     """``path``: one panel per tp, a horizontal bar per (B, backend) stacking its kernel time a
     layer by kind (the ``most`` largest kinds over the panel coloured, the rest "other") and the
     span's gaps past it, beside the floor (dashed)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no figure")
+    plt = pyplot()
+    if plt is None:
         return
     tps = sorted({r["tp"] for r in rows})
     height = max(2.5, 0.32 * max(sum(r["tp"] == tp for r in rows) for tp in tps) + 1.5)
