@@ -134,7 +134,7 @@ def test_interpret_route_equals_xla(name):
     assert choice.kernel and choice.schedule.startswith(MOSAIC)
     route = jax.jit(mf.route, static_argnames=("cfg", "backend"))
     assert_each_bits_equal(route(logits, bias, cfg=cfg, backend="interpret"),
-                      route(logits, bias, cfg=cfg, backend="xla"))
+                           route(logits, bias, cfg=cfg, backend="xla"))
 
 
 @pytest.mark.gpu
