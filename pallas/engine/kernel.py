@@ -2,12 +2,11 @@
 
 Every CTA owns ``rows`` consecutive rows of one region over all of K (no split): a ring of
 ``num_stages`` TMA stages of ``block_k`` columns feeds wgmma with ``x``'s rows as M (64, of which
-the copy fills B rounded up to 8) and the CTA's rows as N (tma.py's
-``batch_m``). Each region has its own epilogue on the accumulator registers, TMA-stored through
-shared memory: router rows -> float32 logits (K cut into chains of at most ``fold_k``); latent rows
--> bfloat16 latent (and its MXFP8 plan; none at ``latent = 0``); gate/up pairs (two accumulators)
--> ``activation(bf16(gate), bf16(up))`` (situ or SiLU); down rows -> bfloat16, or a float32
-partial.
+the copy fills B rounded up to 8) and the CTA's rows as N (tma.py's ``batch_m``). Each region has
+its own epilogue on the accumulator registers, TMA-stored through shared memory: router rows ->
+float32 logits (K cut into chains of at most ``fold_k``); latent rows -> bfloat16 latent (and its
+MXFP8 plan; none at ``latent = 0``); gate/up pairs (two accumulators) -> ``activation(bf16(gate),
+bf16(up))`` (situ or SiLU); down rows -> bfloat16, or a float32 partial.
 The CTA -> region map is static; regions run biggest CTAs first; every kernel waits first thing
 (``griddepcontrol_wait``) to be launched with PDL.
 
@@ -17,8 +16,8 @@ Cost per call (bf16 = 2 bytes; ``shard = n - split``):
                   + B shard (1 + 1/32)             the plan, when asked for
   gate/up   bytes += 2 * 2 S_r H + 2 B S_r         176.2 MB tp1, 22.0 MB tp8; hidden written
   down      bytes = 2 H S_r + 2 B S_r + B H (2|4)   88.1 MB tp1, 11.0 MB tp8
-  x (or hidden), B rounded up to 8 rows, is re-read from L2 by every CTA: 2 rows K
-  bytes a CTA, not HBM traffic (at tp8, 64 rows came to 3x the weight's bytes); the pad writes
+  x (or hidden), B rounded up to 8 rows (R), is re-read from L2 by every CTA: 2 R K bytes a
+  CTA, not HBM traffic (at tp8, 64 rows came to 3x the weight's bytes); the pad writes
   them once, where XLA does not fold it into x's producer.
   FLOPs = 2 * 64 * (weight rows) * K on the tensor cores (M is 64 whatever B; 2 B per weight
   element useful): memory-bound at every B <= 64.

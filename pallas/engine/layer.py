@@ -176,7 +176,7 @@ def _kernel(table_ref, x_gmem, packed, gate_up, down, *outs, plan: Queues, front
     depth = plan.table.shape[1]
     for step in range(depth):
         tile = table_ref[cta, step]
-        last = (table_ref[cta, step + 1] == NO_TILE) if step + 1 < depth else tile != NO_TILE
+        last = (table_ref[cta, step + 1] == NO_TILE) if step + 1 < depth else True
         for i in plan.at_step(step):
             region, start = plan.regions[i], plan.starts[i]
             if phase != "layer" and (phase == "down") != (region.kind == DOWN):

@@ -11,10 +11,9 @@ differs: its table's key and entries, its tiles and its epilogue.
 from __future__ import annotations
 
 import dataclasses
-import typing
 import math
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, get_args
 
 import jax.numpy as jnp
 
@@ -141,7 +140,7 @@ class VectorConfig(ConfigChecks):
 
 TritonConfig = GridConfig | StreamKConfig | VectorConfig
 """A schedule that ``gemm.triton.launch`` runs."""
-TRITON_CONFIGS = typing.get_args(TritonConfig)
+TRITON_CONFIGS = get_args(TritonConfig)
 
 
 def config_to_json(config) -> dict:
