@@ -21,6 +21,7 @@ from moe_front_jax.pallas.front_gemm import kernel as fg
 from moe_front_jax.pallas.gemm import schedule
 from moe_front_jax.reference import mailbox as layout
 from bitwise import plan_bytes
+from engine_cases import exact_front, product
 from h200 import H200, lower_for_h200, triton_ir_for_h200
 from kimi_k3 import k3_weights
 from mailbox_cases import tickets_of
@@ -40,22 +41,6 @@ def k3_shape(tp, split=None):
     cfg = K3.with_tp(tp)
     valid, shard = cfg.experts_per_rank, cfg.latent_per_rank
     return valid, padded_split(valid) if split is None else split, shard
-
-
-def exact_operands(batch, valid, split, shard, hidden, seed=0):
-    """Small-integer x and w, w's rows scaled by powers of two from 2**-12 to 2**12: every float32
-    partial sum is exact, so any summation order gives the float64 product bit for bit, while the
-    latent spans many binades (the plan's scales differ block to block)."""
-    rng = np.random.default_rng(seed)
-    x = rng.integers(-3, 4, (batch, hidden)).astype(np.float32)
-    w = rng.integers(-3, 4, (split + shard, hidden)).astype(np.float32)
-    w *= np.exp2(rng.integers(-12, 13, (split + shard, 1)))
-    w[valid:split] = 0
-    return jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
-
-
-def exact_product(x, w):
-    return np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
 
 
 @functools.partial(jax.jit, static_argnames=("split", "valid", "plan", "config"))
@@ -93,9 +78,9 @@ INTERPRET_CASES = [
 @pytest.mark.parametrize("tp, batch, split, config, plan", INTERPRET_CASES)
 def test_interpret_matches_reference_exactly(tp, batch, split, config, plan):
     valid, split, shard = k3_shape(tp, split)
-    x, w = exact_operands(batch, valid, split, shard, SMALL_HIDDEN, seed=tp)
+    x, w = exact_front(batch, seed=tp, hidden=SMALL_HIDDEN, valid=valid, split=split, shard=shard)
     out = interpret(x, w, split=split, valid=valid, plan=plan, config=config)
-    y = exact_product(x, w)
+    y = product(x, w)
     ref_logits, ref_latent = reference.front_gemm(x, w, split, valid)
     np.testing.assert_array_equal(np.asarray(out[0]), y[:, :valid].astype(np.float32))
     np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(ref_logits))
@@ -128,9 +113,9 @@ def test_interpret_folded_accumulator_counts_every_step_once(monkeypatch, config
     twice by the fold."""
     monkeypatch.setattr(fg, "FOLD_K", 96)
     valid, split, shard = k3_shape(8)
-    x, w = exact_operands(5, valid, split, shard, SMALL_HIDDEN, seed=4)
+    x, w = exact_front(5, seed=4, hidden=SMALL_HIDDEN, valid=valid, split=split, shard=shard)
     logits, latent = fg.front_gemm(x, w, split, valid, interpret=True, config=config)
-    y = exact_product(x, w)
+    y = product(x, w)
     np.testing.assert_array_equal(np.asarray(logits), y[:, :valid].astype(np.float32))
     np.testing.assert_array_equal(
         np.asarray(latent).view(np.uint16), y[:, split:].astype(ml_dtypes.bfloat16).view(np.uint16)
@@ -140,7 +125,7 @@ def test_interpret_folded_accumulator_counts_every_step_once(monkeypatch, config
 def test_interpret_plan_of_non_finite_latent():
     """inf, NaN and -0 in the latent (from inf and NaN in x): the plan still equals the reference's."""
     valid, split, shard = k3_shape(8)
-    x, w = exact_operands(6, valid, split, shard, SMALL_HIDDEN, seed=3)
+    x, w = exact_front(6, seed=3, hidden=SMALL_HIDDEN, valid=valid, split=split, shard=shard)
     x = x.at[1, 5].set(jnp.inf).at[2, 9].set(jnp.nan).at[3].set(-0.0).at[4, 0].set(3e38)
     logits, latent, planned = interpret(
         x, w, split=split, valid=valid, plan=True, config=Grid(32, 64, 2, 4, 3)
@@ -201,7 +186,8 @@ def publish_operands(batch, seed, cfg=PUBLISH_CFG, exact=True):
     depend on the schedule)."""
     split = padded_split(cfg.experts)
     if exact:
-        x, w = exact_operands(batch, cfg.experts, split, cfg.latent, cfg.hidden, seed=seed)
+        x, w = exact_front(batch, seed=seed, hidden=cfg.hidden, valid=cfg.experts, split=split,
+                           shard=cfg.latent)
         return x, w, split
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(batch, cfg.hidden)).astype(ml_dtypes.bfloat16)
@@ -645,7 +631,7 @@ def test_gpu_vector_schedule_matches_float64(tp):
         x = jax.random.normal(jax.random.key(batch), (batch, K3.hidden)).astype(jnp.bfloat16)
         logits, latent = jax.jit(lambda x, w: fg.front_gemm(x, w, split, valid, config=config))(
             x, params.packed)
-        y = exact_product(x, params.packed)
+        y = product(x, params.packed)
         mag = np.maximum(np.abs(y), np.sqrt((y**2).mean(axis=1, keepdims=True)))
         assert (np.abs(np.asarray(logits, np.float64) - y[:, :valid]) <= 1e-5 * mag[:, :valid]).all()
         err = np.abs(np.asarray(latent.astype(jnp.float32), np.float64) - y[:, split:])
@@ -671,16 +657,17 @@ def test_gpu_matches_float64(tp, programs):
                     programs) if programs else None
         gemm = jax.jit(lambda x, w: fg.front_gemm(x, w, split, valid, config=config))
         logits, latent = gemm(x, params.packed)
-        y = exact_product(x, params.packed)
+        y = product(x, params.packed)
         rms = np.sqrt((y**2).mean(axis=1, keepdims=True))
         mag = np.maximum(np.abs(y), rms)
         assert (np.abs(np.asarray(logits, np.float64) - y[:, :valid]) <= 1e-5 * mag[:, :valid]).all()
         err = np.abs(np.asarray(latent.astype(jnp.float32), np.float64) - y[:, split:])
         assert (err <= oracle.bf16_ulp(mag[:, split:])).all(), (tp, batch, (err / oracle.bf16_ulp(mag[:, split:])).max())
 
-        xe, we = exact_operands(batch, valid, split, cfg.latent_per_rank, K3.hidden, seed=tp)
+        xe, we = exact_front(batch, seed=tp, hidden=K3.hidden, valid=valid, split=split,
+                             shard=cfg.latent_per_rank)
         logits, latent = gemm(xe, we)
-        ye = exact_product(xe, we)
+        ye = product(xe, we)
         np.testing.assert_array_equal(np.asarray(logits), ye[:, :valid].astype(np.float32))
         np.testing.assert_array_equal(
             np.asarray(latent).view(np.uint16),

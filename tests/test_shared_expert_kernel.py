@@ -22,6 +22,7 @@ from moe_front_jax.pallas.gemm import mosaic, schedule
 from moe_front_jax.pallas.gemm.schedule import GridConfig as Grid
 from moe_front_jax.pallas.gemm.schedule import VectorConfig as Vec
 from h200 import H200, lower_for_h200
+from engine_cases import exact_rows
 from kimi_k3 import k3_weights
 import oracle
 
@@ -36,8 +37,7 @@ def exact_operands(batch, s_r, hidden, seed):
     summation, while gate and up span the range where tanh and the sigmoid bend."""
     rng = np.random.default_rng(seed)
     x = rng.integers(-3, 4, (batch, hidden)).astype(np.float32)
-    w = rng.integers(-3, 4, (2 * s_r, hidden)).astype(np.float32)
-    w *= np.exp2(rng.integers(-9, -1, (2 * s_r, 1)))
+    w = exact_rows(rng, 2 * s_r, hidden, -9, -2)
     return jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
 
 
