@@ -4,7 +4,8 @@ A mailbox row per token carries every tensor-parallel rank's logits and latent s
 the layout and the plain-JAX protocol are ``moe_front_jax.reference.mailbox``). What runs each step
 (the jax-triton publish and collect, the front GEMM publishing from its epilogue, the routing kernel
 polling the rows itself, the peer-store publish across GPUs, or the plain-JAX protocol) is the plan's
-(``moe_front_jax.planner.exchange_plan``); this module holds the state and checks the arguments.
+(``moe_front_jax.planner``'s ``exchange_plan``, ``publish_plan`` and ``collect_plan``); this module
+holds the state and checks the arguments.
 
 Why the immediate re-arm never erases a later step's value: on one device publish(t), collect(t) and
 publish(t+1) are kernels on one stream, and jax-triton's kernels never trigger programmatic dependent
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from moe_front_jax import planner, registry
+from moe_front_jax import planner
 from moe_front_jax.config import FrontConfig
 from moe_front_jax.pallas.front_gemm import ticket_count
 from moe_front_jax.reference.mailbox import CONTROL_WORDS, TIMEOUT, armed_row, row_words
@@ -174,10 +175,6 @@ def _check_shard(name: str, array, batch: int | None, width: int, dtype) -> int:
     return shape[0]
 
 
-def _arrays(mailbox: Mailbox) -> tuple[jax.Array, jax.Array]:
-    return mailbox.buffer, mailbox.control
-
-
 def with_arrays(mailbox: Mailbox, buffer, control, tickets=None) -> Mailbox:
     """``mailbox`` holding these arrays (its ``tickets`` where None)."""
     tickets = mailbox.tickets if tickets is None else tickets
@@ -197,12 +194,13 @@ def publish(
 
     ``rank`` is an int in ``[0, tp)`` or an int32 scalar array (``lax.axis_index`` under
     ``shard_map``); ``backend`` as for ``moe_front`` (the jax-triton kernel publishes one device's
-    rows, tp = 1). Returns the mailbox with rows ``[0, B)`` of generation ``(control[0] + 1) mod G``
-    holding the canonical words at the rank's columns, and ``control[1]`` that generation.
+    rows, tp = 1; at tp > 1 the reference publishes, under every backend, and across GPUs
+    ``exchange``'s ``"peer"`` stores into every rank's mailbox). Returns the mailbox with rows
+    ``[0, B)`` of generation ``(control[0] + 1) mod G`` holding the canonical words at the rank's
+    columns, and ``control[1]`` that generation.
 
     Raises:
       ValueError: a wrong shape or dtype, a batch over the capacity, or an int ``rank`` out of range.
-      NotImplementedError: ``backend="pallas"`` with tp > 1 (use ``exchange``'s ``"peer"``).
     """
     cfg = mailbox_config(mailbox)
     batch = _check_shard("logits", logits, None, cfg.experts_per_rank, jnp.float32)
@@ -210,9 +208,11 @@ def publish(
     check_mailbox(mailbox, cfg, batch)
     if isinstance(rank, int) and not 0 <= rank < cfg.tp:
         raise ValueError(f"rank must be in [0, tp={cfg.tp}), got {rank}")
-    args = (*_arrays(mailbox), logits, latent_shard, rank, cfg)
-    buffer, control, _ = registry.run("mailbox_publish", backend, *args)
-    return with_arrays(mailbox, buffer, control)
+    traced = not isinstance(rank, int)
+    step = planner.publish_plan(mailbox, batch, None if traced else rank, backend=backend)
+    ranks = dict(rank=rank) if traced else {}
+    env = _run(step, mailbox, logits_shard=logits, latent_shard=latent_shard, **ranks)
+    return with_arrays(mailbox, env["buffer"], env["control"])
 
 
 def collect(
@@ -237,13 +237,10 @@ def collect(
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     check_mailbox(mailbox, cfg, batch)
-    return _collect(mailbox, jnp.zeros((), jnp.int32), batch, backend)
-
-
-def _collect(mailbox: Mailbox, status, batch: int, backend: str):
-    args = (*_arrays(mailbox), status, batch, mailbox.cfg)
-    logits, latent, status, buffer, control = registry.run("mailbox_collect", backend, *args)
-    return logits, latent, status, with_arrays(mailbox, buffer, control)
+    step = planner.collect_plan(mailbox, batch, backend=backend)
+    env = _run(step, mailbox, status=jnp.zeros((), jnp.int32))
+    return env["logits"], env["latent"], env["status"], with_arrays(mailbox, env["buffer"],
+                                                                    env["control"])
 
 
 def _check_exchange(mailbox, logits, latent_shard, axis_name, transport) -> int:

@@ -2,8 +2,8 @@
 
 A ``FrontPlan`` is the ordered ``Step``s of one call: each a stage, the implementation that runs it
 (``registry.choose``'s kernel or reference, or a collective) and why that one. The API modules check
-their arguments, ask ``front_plan`` (or ``exchange_plan``, ``route_plan``) for the plan and hand it to
-``run``; nothing else decides what runs. A plan is a pure function of static facts: the shapes, the
+their arguments, ask ``front_plan`` (or ``exchange_plan``, ``publish_plan``, ``collect_plan``,
+``route_plan``) for the plan and hand it to ``run``; nothing else decides what runs. A plan is a pure function of static facts: the shapes, the
 params' config and split, the options, the backend and the target device (its platform and kind).
 Steps name their inputs and outputs in an environment of arrays, so one runner serves every path: one
 device and one rank inside ``jax.shard_map``, each with or without a mailbox, and the sharded params'
@@ -289,6 +289,13 @@ def _publish(b: _Builder, batch: int, cfg: FrontConfig, transport: str, axis_nam
               ("buffer", "control", "status"), box_avals)
 
 
+def _collect(b: _Builder, batch: int, cfg: FrontConfig) -> None:
+    """Rows ``[0, batch)`` of the generation last published, whole, and the mailbox re-armed."""
+    b.add("mailbox_collect", (Ref("buffer"), Ref("control"), Ref("status"), batch, cfg),
+          ("logits", "latent", "status", "buffer", "control"),
+          (*_logits_latent(batch, cfg, whole=True), STATUS, b.avals["buffer"], b.avals["control"]))
+
+
 def _route_published(b: _Builder, batch: int, cfg: FrontConfig, plan: bool, permute: bool) -> None:
     """After the publish: ``route_collect`` (then ``permute`` from its ids) where its kernel runs
     and the plan is asked for, else collect, route and plan."""
@@ -306,8 +313,7 @@ def _route_published(b: _Builder, batch: int, cfg: FrontConfig, plan: bool, perm
         return
     if fused is not None:
         b.notes.append(f"route_collect: {fused.why}")
-    b.add("mailbox_collect", args[:3] + (batch, cfg), ("logits", "latent", "status", "buffer",
-                                                       "control"), (*whole, STATUS, *box_avals))
+    _collect(b, batch, cfg)
     _route(b, batch, cfg, permute)
     if plan:
         _plan_stage(b, batch, cfg)
@@ -447,11 +453,8 @@ def exchange_plan(mailbox, batch: int, *, backend: str, transport: str, axis_nam
     (the front GEMM's, with ``gemm``), then the collect, or with ``route`` the routing of the
     collected rows (``plan``, ``permute`` as for ``moe_front``)."""
     cfg = mailbox.cfg
-    avals = _mailbox_avals(mailbox)
-    avals["bias"] = _aval((cfg.experts,), jnp.float32)
-    logits, latent = _logits_latent(batch, cfg, whole=False)
-    avals.update(logits_shard=logits, latent_shard=latent)
-    b = _Builder(backend, avals)
+    b = _mailbox_builder(mailbox, batch, backend)
+    avals = b.avals
     if gemm is not None:
         split, valid = gemm
         b.avals.update(x=_aval((batch, cfg.hidden), jnp.bfloat16),
@@ -465,11 +468,43 @@ def exchange_plan(mailbox, batch: int, *, backend: str, transport: str, axis_nam
     if route:
         _route_published(b, batch, cfg, plan, permute)
     else:
-        b.add("mailbox_collect", (Ref("buffer"), Ref("control"), Ref("status"), batch, cfg),
-              ("logits", "latent", "status", "buffer", "control"),
-              (*_logits_latent(batch, cfg, whole=True), STATUS, avals["buffer"], avals["control"]))
+        _collect(b, batch, cfg)
+    return _mailbox_plan(b, batch, axis_name)
+
+
+def publish_plan(mailbox, batch: int, rank, *, backend: str) -> FrontPlan:
+    """The plan of ``mailbox.publish``: one rank's ``logits_shard`` and ``latent_shard`` into the
+    next generation's rows. ``rank`` is an int, or None for a traced scalar bound as ``rank``."""
+    b = _mailbox_builder(mailbox, batch, backend)
+    b.avals["rank"] = STATUS
+    box = (Ref("buffer"), Ref("control"))
+    b.add("mailbox_publish", (*box, Ref("logits_shard"), Ref("latent_shard"),
+                              Ref("rank") if rank is None else rank, mailbox.cfg),
+          ("buffer", "control", "status"), (b.avals["buffer"], b.avals["control"], STATUS))
+    return _mailbox_plan(b, batch, None)
+
+
+def collect_plan(mailbox, batch: int, *, backend: str) -> FrontPlan:
+    """The plan of ``mailbox.collect``: rows ``[0, batch)`` of the generation last published."""
+    b = _mailbox_builder(mailbox, batch, backend)
+    _collect(b, batch, mailbox.cfg)
+    return _mailbox_plan(b, batch, None)
+
+
+def _mailbox_builder(mailbox, batch: int, backend: str) -> _Builder:
+    """A builder over the mailbox's arrays, one rank's shards of ``batch`` rows, the bias and the
+    status."""
+    cfg = mailbox.cfg
+    avals = _mailbox_avals(mailbox)
+    logits, latent = _logits_latent(batch, cfg, whole=False)
+    avals.update(bias=_aval((cfg.experts,), jnp.float32), logits_shard=logits,
+                 latent_shard=latent, status=STATUS)
+    return _Builder(backend, avals)
+
+
+def _mailbox_plan(b: _Builder, batch: int, axis_name: str | None) -> FrontPlan:
     platform, kind = target()
-    return FrontPlan("mailbox", backend, platform, kind, batch, tuple(b.steps), tuple(b.notes),
+    return FrontPlan("mailbox", b.backend, platform, kind, batch, tuple(b.steps), tuple(b.notes),
                      axis=axis_name)
 
 

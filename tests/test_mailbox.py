@@ -242,6 +242,17 @@ def test_one_rank_missing_times_out_and_both_ranks_complete_the_row():
     assert_armed(box, 2)
 
 
+def test_a_traced_rank_publishes_as_its_int():
+    """``rank`` as ``lax.axis_index`` gives it: an int32 scalar traced under ``jit``."""
+    logits, latent = (jnp.asarray(a[1]) for a in tp2_shards(3))
+    box = mf.Mailbox.create(TP2, capacity=3)
+    traced = jax.jit(lambda box, rank: mb.publish(box, logits, latent, rank, backend="xla"))(
+        box, jnp.int32(1))
+    direct = mb.publish(box, logits, latent, 1, backend="xla")
+    assert_bits_equal(traced.buffer, direct.buffer)
+    assert_bits_equal(traced.control, direct.control)
+
+
 def test_exchange_over_eight_ranks_gathers_every_shard():
     tp, batch = TP8.tp, 5
     weights = weights_of(TP8, 2)

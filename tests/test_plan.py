@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import moe_front_jax as mf
+from moe_front_jax import mailbox as mb
 from moe_front_jax import planner, registry
 from h200 import H200, verified_triton_modules
 
@@ -244,6 +245,28 @@ def test_mailbox_plan_is_what_lowers_for_an_h200():
     auto = explain_for_h200(x, params, plan=True, mailbox=box)
     assert [(s.stage, s.kernel) for s in auto.steps] == [
         ("front_gemm", False), ("mailbox_publish", True), ("route_collect", True)]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_publish_and_collect_are_plans(tp):
+    """``mailbox.publish`` and ``collect`` run their plans' steps: on an H200 the jax-triton kernels
+    where they cover the call (the publish only at tp = 1), else the reference with the rule."""
+    cfg = CFG.with_tp(tp)
+    box = mf.Mailbox.create(cfg, capacity=8)
+    mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        publish = planner.publish_plan(box, 4, 0, backend="pallas")
+        collect = planner.collect_plan(box, 4, backend="pallas")
+    assert [(s.stage, s.kernel) for s in publish.steps] == [("mailbox_publish", tp == 1)]
+    if tp > 1:
+        assert publish.steps[0].why.startswith("the kernel does not cover this: the jax-triton")
+    assert [(s.stage, s.kernel) for s in collect.steps] == [("mailbox_collect", True)]
+    logits = jnp.zeros((4, cfg.experts_per_rank), jnp.float32)
+    latent = jnp.zeros((4, cfg.latent_per_rank), jnp.bfloat16)
+    for fn, scope in [(lambda b: mb.publish(b, logits, latent, backend="xla").buffer,
+                       "plan_step1_mailbox_publish"),
+                      (lambda b: mb.collect(b, 4, backend="xla")[0], "plan_step1_mailbox_collect")]:
+        assert scope in jax.jit(fn).lower(box).as_text(debug_info=True)
 
 
 @pytest.mark.parametrize("batch", [1, 8, 64])
