@@ -242,8 +242,6 @@ def _planned_front(x, params: FrontParams, mailbox, **options) -> dict:
     if options["axis_name"] is not None:
         parallel.check_vma_off(params, options["axis_name"], options["backend"],
                                front.runs_kernels)
-    if front.transport == "peer":
-        mailboxes.check_peer_generations(mailbox)
     return planner.run_front(front, x, params, mailbox)
 
 
@@ -277,8 +275,6 @@ def explain(x, params: FrontParams, *, plan: bool = False, permute: bool = False
         mailbox = jax.eval_shape(lambda: mailboxes.Mailbox.create(params.cfg, x.shape[0]))
     front = planner.front_plan(x.shape[0], params, plan=plan, permute=permute, backend=backend,
                                axis_name=axis_name, shared_reduce=shared_reduce, mailbox=mailbox)
-    if front.transport == "peer":
-        mailboxes.check_peer_generations(mailbox)
     return front
 
 

@@ -260,20 +260,7 @@ def _check_exchange(mailbox, logits, latent_shard, axis_name, transport) -> int:
             f"axis_name={axis_name!r} has {lax.axis_size(axis_name)} ranks, but the mailbox is "
             f"for tp={cfg.tp}"
         )
-    if transport == "peer":
-        check_peer_generations(mailbox)
     return batch
-
-
-def check_peer_generations(mailbox: Mailbox) -> None:
-    """Peer stores across ``tp > 1`` ranks need ``generations >= 2``: a fast rank's next step must
-    land in another generation than the one a slow rank has not collected yet."""
-    cfg = mailbox.cfg
-    if cfg.tp > 1 and mailbox.generations < 2:
-        raise ValueError(
-            f"transport='peer' over tp={cfg.tp} ranks needs generations >= 2 (a fast rank's "
-            f"next step must land in another generation), got {mailbox.generations}"
-        )
 
 
 @functools.partial(

@@ -263,10 +263,16 @@ def _plan_stage(b: _Builder, batch: int, cfg: FrontConfig) -> None:
 
 def _publish(b: _Builder, batch: int, cfg: FrontConfig, transport: str, axis_name: str | None,
              logits: str, latent: str) -> None:
-    """Every rank's shard into this rank's mailbox rows."""
+    """Every rank's shard into this rank's mailbox rows. Peer stores over tp > 1 ranks need two
+    generations or more (``moe_front_jax.mailbox``'s docstring says why): a ``ValueError``."""
     box = (Ref("buffer"), Ref("control"))
     box_avals = (b.avals["buffer"], b.avals["control"], STATUS)
     if transport == "peer":
+        generations = b.avals["buffer"].shape[0]
+        if cfg.tp > 1 and generations < 2:
+            raise ValueError(
+                f"transport='peer' over tp={cfg.tp} ranks needs generations >= 2 (a fast rank's "
+                f"next step must land in another generation), got {generations}")
         collect = b.choose("mailbox_collect", *box, STATUS, batch, cfg)
         if not collect.kernel:
             raise NotImplementedError(
