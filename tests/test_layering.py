@@ -1,8 +1,8 @@
-"""The package's import graph: no cycles, and dependencies that point one way.
+"""The package's import graph: no cycles, and dependencies that point one way; and one module, the
+planner, that asks the stage table what runs.
 
 Layers, top to bottom: the main job (``demo``); the package's lazy ``__init__``; the API (``nn``
-and ``layers``; then ``api``
-and ``checkpoint``; then ``parallel`` and ``mailbox``); the plan (``planner``, the one module that
+and ``layers``; then ``api`` and ``checkpoint``; then ``parallel`` and ``mailbox``); the plan (``planner``, the one module that
 decides what runs); the stage table (``registry``); the kernels (``pallas``, ``bridge``); the base
 (``config``, ``configs``, ``params``, ``reference``). Every edge points to a lower layer; only the
 kernels and the base import within their own layer. An edge is any import of a module of the
@@ -174,3 +174,23 @@ def test_the_layer_rule_sees_an_upward_edge():
     assert upward({"moe_front_jax.registry": {"moe_front_jax.planner"}})
     assert not upward({"moe_front_jax.pallas.route": {"moe_front_jax.pallas.gemm.schedule"},
                        "moe_front_jax.api": {"moe_front_jax.planner", "moe_front_jax.params"}})
+
+
+def deciders(sources: dict[str, str]) -> list[str]:
+    """The modules (name -> source) that call ``registry.choose`` or ``registry.run``: the calls
+    that decide which implementation runs a stage."""
+    found = []
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("choose", "run")
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "registry"):
+                found.append(name)
+                break
+    return sorted(found)
+
+
+def test_only_the_planner_decides_what_runs():
+    sources = {name: path.read_text() for name, path in modules().items()}
+    assert deciders(sources) == ["moe_front_jax.planner"]
+    assert deciders({"a": "registry.run('route', 'auto')", "b": "planner.run(plan, env)"}) == ["a"]
