@@ -3,11 +3,12 @@
 A ``FrontPlan`` is the ordered ``Step``s of one call: each a stage, the implementation that runs it
 (``registry.choose``'s kernel or reference, or a collective) and why that one. The API modules check
 their arguments, ask ``front_plan`` (or ``exchange_plan``, ``publish_plan``, ``collect_plan``,
-``route_plan``) for the plan and hand it to ``run``; nothing else decides what runs. A plan is a pure function of static facts: the shapes, the
-params' config and split, the options, the backend and the target device (its platform and kind).
-Steps name their inputs and outputs in an environment of arrays, so one runner serves every path: one
-device and one rank inside ``jax.shard_map``, each with or without a mailbox, and the sharded params'
-``shard_map`` (the rank's plan run on every device). ``mf.explain`` prints a plan.
+``route_plan``) for the plan and hand it to ``run``; nothing else decides what runs. A plan is a
+pure function of static facts: the shapes, the params' config and split, the options, the backend
+and the target device (its platform and kind). Steps name their inputs and outputs in an
+environment of arrays, so one runner serves every path: one device and one rank inside
+``jax.shard_map``, each with or without a mailbox, and the sharded params' ``shard_map`` (the rank's
+plan run on every device). ``mf.explain`` prints a plan.
 """
 
 from __future__ import annotations
@@ -460,7 +461,6 @@ def exchange_plan(mailbox, batch: int, *, backend: str, transport: str, axis_nam
     collected rows (``plan``, ``permute`` as for ``moe_front``)."""
     cfg = mailbox.cfg
     b = _mailbox_builder(mailbox, batch, backend)
-    avals = b.avals
     if gemm is not None:
         split, valid = gemm
         b.avals.update(x=_aval((batch, cfg.hidden), jnp.bfloat16),
@@ -468,7 +468,8 @@ def exchange_plan(mailbox, batch: int, *, backend: str, transport: str, axis_nam
         b.add("front_gemm_publish", (Ref("x"), Ref("packed"), split, valid, Ref("buffer"),
                                      Ref("control"), Ref("tickets"), cfg),
               ("buffer", "control", "tickets", "status"),
-              (avals["buffer"], avals["control"], avals["tickets"], STATUS), plan_block=plan_block)
+              (b.avals["buffer"], b.avals["control"], b.avals["tickets"], STATUS),
+              plan_block=plan_block)
     else:
         _publish(b, batch, cfg, transport, axis_name, "logits_shard", "latent_shard")
     if route:
