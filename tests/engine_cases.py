@@ -27,7 +27,8 @@ def exact_rows(rng, rows, hidden, low, high):
 
 
 def exact_front(batch, seed=0, hidden=HIDDEN, valid=VALID, split=SPLIT, shard=SHARD, pad=0.0):
-    """``x`` and ``packed``: exact data, the rows between valid and split ``pad``."""
+    """``x`` and ``packed``: exact data, the rows between valid and split ``pad``. The latent rows
+    span binades from ``2**-12`` to ``2**12``, so the plan's scales differ block to block."""
     rng = np.random.default_rng(seed)
     x = rng.integers(-3, 4, (batch, hidden)).astype(np.float32)
     w = exact_rows(rng, split + shard, hidden, -12, 12)

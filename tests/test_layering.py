@@ -2,13 +2,13 @@
 planner, that asks the stage table what runs.
 
 Layers, top to bottom: the main job (``demo``); the package's lazy ``__init__``; the API (``nn``
-and ``layers``; then ``api`` and ``checkpoint``; then ``parallel`` and ``mailbox``); the plan (``planner``, the one module that
-decides what runs); the stage table (``registry``); the kernels (``pallas``, ``bridge``); the base
-(``config``, ``configs``, ``params``, ``reference``). Every edge points to a lower layer; only the
-kernels and the base import within their own layer. An edge is any import of a module of the
-package: a statement at the top of a module or inside a function, a ``"module:function"`` or
-module-path string (what ``registry.STAGES``, ``planner`` and the lazy ``moe_front_jax.__init__``
-import by ``importlib``).
+and ``layers``; then ``api`` and ``checkpoint``; then ``parallel`` and ``mailbox``); the plan
+(``planner``, the one module that decides what runs); the stage table (``registry``); the kernels
+(``pallas``, ``bridge``); the base (``config``, ``configs``, ``params``, ``reference``). Every edge
+points to a lower layer; only the kernels and the base import within their own layer. An edge is
+any import of a module of the package: a statement at the top of a module or inside a function, a
+``"module:function"`` or module-path string (what ``registry.STAGES``, ``planner`` and the lazy
+``moe_front_jax.__init__`` import by ``importlib``).
 """
 
 import ast
