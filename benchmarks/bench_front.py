@@ -251,7 +251,7 @@ def kinds(row: dict) -> dict[str, float]:
     return dict(out.most_common())
 
 
-def draw_breakdown(rows: list[dict], path: str, most: int = 16) -> None:
+def draw_breakdown(rows: list[dict], path: str, device: str, most: int = 16) -> None:
     """``path``: one panel per tp, a horizontal bar per (B, backend) stacking its kernel time a
     layer by kind (the ``most`` largest kinds over the panel coloured, the rest "other") and the
     span's gaps past it, beside the floor (dashed)."""
@@ -282,7 +282,7 @@ def draw_breakdown(rows: list[dict], path: str, most: int = 16) -> None:
         ax.set_xlabel("us a layer (kernel time by kind, then gaps to the span)")
         ax.set_title(f"tp={tp}" + (" (one rank, no exchange)" if tp > 1 else ""))
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.suptitle(f"where a layer's time goes, {rows[0].get('device', '')}".rstrip(", "))
+    fig.suptitle(f"where a layer's time goes, {device}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -314,10 +314,10 @@ def replot(path: str, out: str) -> None:
     """``--replot``: the tables and figures of a bench_front.json, into ``out``."""
     with open(path) as f:
         result = json.load(f)
-    rows = [dict(r, device=result["device"]) for r in result["rows"]]
+    rows, device = result["rows"], result["device"]
     os.makedirs(out, exist_ok=True)
-    draw(rows, os.path.join(out, "bench_front.png"), result["device"])
-    draw_breakdown(rows, os.path.join(out, "bench_front_breakdown.png"))
+    draw(rows, os.path.join(out, "bench_front.png"), device)
+    draw_breakdown(rows, os.path.join(out, "bench_front_breakdown.png"), device)
     report(rows, list(dict.fromkeys(r["backend"] for r in rows)))
 
 
@@ -376,10 +376,9 @@ def main() -> None:
                   layers=args.layers, rows=rows, failed=failed)
     with open(os.path.join(args.out, "bench_front.json"), "w") as f:
         json.dump(result, f, indent=1)
-    device = jax.devices()[0].device_kind
-    rows = [dict(r, device=device) for r in rows]
+    device = result["device"]
     draw(rows, os.path.join(args.out, "bench_front.png"), device)
-    draw_breakdown(rows, os.path.join(args.out, "bench_front_breakdown.png"))
+    draw_breakdown(rows, os.path.join(args.out, "bench_front_breakdown.png"), device)
     report(rows, args.backends.split(","))
 
 
